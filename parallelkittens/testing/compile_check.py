@@ -1,0 +1,83 @@
+"""Compile the primitives' kernels for a GPU target without a GPU and report what the PTX carries.
+
+    TRITON_INTERPRET=0 python -m parallelkittens.testing.compile_check [--arch 90]
+
+prints one JSON object: kernel name -> list of the memory-ordering markers found in its PTX. The tests check
+that signals release and waits acquire at system scope, that bulk tensor copies are waited for before a
+signal, and that the bounded wait (a timer read) exists only with PK_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+MARKERS = {
+    "release_sys_atomic": ("atom.release.sys", "red.release.sys", "atom.global.release.sys", "red.global.release.sys",
+                           "atom.sys.release", "red.sys.release", "atom.global.sys.release", "red.global.sys.release"),
+    "relaxed_sys_add": ("red.global.sys.relaxed.add", "atom.global.sys.relaxed.add"),
+    "acquire_sys_load": ("ld.global.acquire.sys", "ld.acquire.sys"),
+    "fence_sys": ("fence.acq_rel.sys",),
+    "bulk_wait": ("cp.async.bulk.wait_group 0",),
+    "tma_store": ("cp.async.bulk.tensor",),
+    "tma_reduce": ("cp.reduce.async.bulk.tensor",),
+    "globaltimer": ("%globaltimer",),
+}
+
+
+def _kernels():
+    from ..ops.barrier import _barrier_kernel
+    from ..template import example
+    from . import primitive_checks as pc
+
+    i64 = "*i64"
+    return {
+        "signal_wait": (pc._signal_wait_kernel, {"src_ptr": "*fp32", "inbox_ptr": "*fp32", "h": i64,
+                                                 "flags_ptr": "*i32", "hf": i64, "out_ptr": "*fp32", "n": "i32",
+                                                 "BLOCK": "constexpr"}, {"BLOCK": 256}),
+        "signal_all": (pc._signal_all_kernel, {"flags_ptr": "*i32", "hf": i64}, {}),
+        "barrier_all": (_barrier_kernel, {"counter_ptr": "*i32", "h": i64}, {}),
+        "store_add": (pc._store_add_kernel, {"src_ptr": "*bf16", "acc_ptr": "*bf16", "h": i64, "n": "i32",
+                                             "BLOCK": "constexpr"}, {"BLOCK": 256}),
+        "all_reduce": (pc._all_reduce_kernel, {"x_ptr": "*bf16", "h": i64, "n": "i32", "BLOCK": "constexpr"},
+                       {"BLOCK": 256}),
+        "tma_store": (pc._tma_kernel, {"src_ptr": "*bf16", "y_ptr": "*bf16", "h": i64, "M": "i32", "N": "i32",
+                                       "ADD": "constexpr", "BM": "constexpr", "BN": "constexpr"},
+                      {"ADD": False, "BM": 64, "BN": 64}),
+        "tma_store_add": (pc._tma_kernel, {"src_ptr": "*fp32", "y_ptr": "*fp32", "h": i64, "M": "i32", "N": "i32",
+                                           "ADD": "constexpr", "BM": "constexpr", "BN": "constexpr"},
+                          {"ADD": True, "BM": 64, "BN": 64}),
+        "lcsc_example": (example._scaled_all_gather_kernel,
+                         {"x_ptr": "*bf16", "out_ptr": "*bf16", "h": i64, "counters_ptr": "*i32", "hc": i64,
+                          "alpha": "fp32", "M": "i32", "N": "i32", "num_tasks": "i32",
+                          "NUM_COMM": "constexpr", "BM": "constexpr", "BN": "constexpr"},
+                         {"NUM_COMM": 2, "BM": 32, "BN": 64}),
+    }
+
+
+def compile_all(arch: int) -> dict[str, list[str]]:
+    """Compile every kernel of `_kernels()` for CUDA `arch`; map each to the markers its PTX contains."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    found = {}
+    for name, (fn, signature, constexprs) in _kernels().items():
+        src = ASTSource(fn, signature, constexprs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+        found[name] = sorted(m for m, needles in MARKERS.items() if any(n in ptx for n in needles))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("run with TRITON_INTERPRET=0: this compiles for a GPU")
+    print(json.dumps(compile_all(args.arch)))
+
+
+if __name__ == "__main__":
+    main()

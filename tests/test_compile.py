@@ -1,0 +1,50 @@
+"""Compile the primitives for sm_90 without a GPU and check the PTX: release/acquire at system scope, bulk
+copies waited for before a signal, TMA where asked for, and no timer in the hot path unless PK_DEBUG=1."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SIGNALLING = ("signal_wait", "signal_all", "barrier_all", "lcsc_example")
+
+
+def _markers(debug: str) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="0", PK_DEBUG=debug)
+    out = subprocess.run([sys.executable, "-m", "parallelkittens.testing.compile_check", "--arch", "90"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def hot():
+    return _markers("0")
+
+
+@pytest.fixture(scope="module")
+def debug():
+    return _markers("1")
+
+
+@pytest.mark.parametrize("kernel", SIGNALLING)
+def test_signals_order_memory_at_system_scope(hot, kernel):
+    for marker in ("release_sys_atomic", "acquire_sys_load", "fence_sys", "bulk_wait"):
+        assert marker in hot[kernel], f"{kernel}: no {marker} in PTX ({hot[kernel]})"
+
+
+@pytest.mark.parametrize("kernel", SIGNALLING)
+def test_hot_path_has_no_timer_and_debug_path_has_one(hot, debug, kernel):
+    assert "globaltimer" not in hot[kernel]
+    assert "globaltimer" in debug[kernel]
+
+
+def test_tensor_descriptors_use_tma(hot):
+    assert "tma_store" in hot["tma_store"]
+    assert "tma_reduce" in hot["tma_store_add"]
+
+
+def test_store_add_is_a_system_scope_atomic(hot):
+    assert "relaxed_sys_add" in hot["store_add"]

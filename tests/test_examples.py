@@ -1,0 +1,14 @@
+"""The examples run as their docstrings say."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_ring_push_example():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "ring_push.py")], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PK_DEBUG="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[4.0, 1.0, 2.0, 3.0]"

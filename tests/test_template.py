@@ -1,0 +1,59 @@
+"""The LCSC template through its worked example, `ScaledAllGather`: any world size, several communicator
+counts, ragged tiles, back-to-back calls reusing every buffer."""
+
+import pytest
+import torch
+from conftest import worlds
+
+import parallelkittens as pk
+from parallelkittens.template import grid
+from parallelkittens.template.example import ScaledAllGather, reference_scaled_all_gather
+from parallelkittens.testing import TOLERANCE, poison, rank_data, relative_error, shared_seed
+
+M, N = 50, 70  # ragged against 32 x 64 tiles
+
+
+def _run(dtype_name: str, num_comm: int, calls: int) -> list[float]:
+    ctx = pk.context()
+    dtype = getattr(torch, dtype_name)
+    op = ScaledAllGather((M, N), dtype, num_comm_programs=num_comm)
+    errors = []
+    for call in range(calls):
+        seed, alpha = shared_seed(), 0.5 + call
+        poison(op.out.local)
+        pk.barrier()
+        out = op(rank_data((M, N), dtype, seed, ctx.local_rank), alpha)
+        pk.sync()
+        ref = reference_scaled_all_gather([rank_data((M, N), dtype, seed, r) for r in range(ctx.local_world_size)],
+                                          alpha)
+        errors.append(relative_error(out, ref))
+    return errors
+
+
+@pytest.mark.parametrize("world", worlds("1,2,3,4"))
+@pytest.mark.parametrize("dtype, num_comm", [("float32", 1), ("bfloat16", 2), ("float16", 1)])
+def test_scaled_all_gather(world, dtype, num_comm):
+    for rank, errors in enumerate(pk.spawn(_run, world, dtype, num_comm, 3)):
+        bound = TOLERANCE[getattr(torch, dtype)]
+        assert all(e <= bound for e in errors), f"rank {rank}: relative errors {errors} (bound {bound})"
+
+
+def _wrong_input() -> str:
+    op = ScaledAllGather((M, N), torch.float32)
+    try:
+        op(torch.ones(M + 1, N), 1.0)
+    except pk.PKError as e:
+        return str(e)
+    return "no error"
+
+
+def test_wrong_shape_is_refused_before_launch():
+    for message in pk.spawn(_wrong_input, 2):
+        assert "expected a torch.float32 tensor of shape (50, 70)" in message
+
+
+def test_grid_validation():
+    assert grid(10, 2, max_programs=8) == (8,)
+    assert grid(3, 2, max_programs=8) == (5,)
+    with pytest.raises(ValueError, match=r"num_comm_programs must be in \[0, 7\]"):
+        grid(10, 8, max_programs=8)
