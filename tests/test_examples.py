@@ -12,3 +12,11 @@ def test_ring_push_example():
                          text=True, timeout=300, env=dict(os.environ, PK_DEBUG="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[4.0, 1.0, 2.0, 3.0]"
+
+
+def test_ring_push_under_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "examples", "ring_push.py"), "--torchrun"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PK_DEBUG="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(out.stdout.split()) == ["1.0", "2.0"]

@@ -38,18 +38,22 @@ def test_scaled_all_gather(world, dtype, num_comm):
         assert all(e <= bound for e in errors), f"rank {rank}: relative errors {errors} (bound {bound})"
 
 
-def _wrong_input() -> str:
+def _wrong_inputs() -> list[str]:
     op = ScaledAllGather((M, N), torch.float32)
-    try:
-        op(torch.ones(M + 1, N), 1.0)
-    except pk.PKError as e:
-        return str(e)
-    return "no error"
+    messages = []
+    for x in (torch.ones(M + 1, N), torch.ones(M, N, dtype=torch.float16), torch.ones(M, N, device="meta")):
+        try:
+            op(x.to(pk.context().device) if x.device.type != "meta" else x, 1.0)
+            messages.append("no error")
+        except pk.PKError as e:
+            messages.append(str(e))
+    return messages
 
 
-def test_wrong_shape_is_refused_before_launch():
-    for message in pk.spawn(_wrong_input, 2):
-        assert "expected a torch.float32 tensor of shape (50, 70)" in message
+def test_wrong_shape_dtype_or_device_is_refused_before_launch():
+    for messages in pk.spawn(_wrong_inputs, 2):
+        assert all("expected a torch.float32 tensor of shape (50, 70)" in m for m in messages), messages
+        assert "(51, 70)" in messages[0] and "torch.float16" in messages[1] and "on meta" in messages[2]
 
 
 def test_grid_validation():

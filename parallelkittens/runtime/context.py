@@ -149,9 +149,11 @@ def _make_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
         port = _free_port()
     if port == 0:
         raise PKError(f"rank {rank}: MASTER_PORT is not set; start ranks with torchrun or pk.spawn")
+    # Under torchrun the agent already serves the store at MASTER_PORT.
+    serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
         store = dist.TCPStore(
-            addr, port, world_size, is_master=(rank == 0), timeout=datetime.timedelta(seconds=timeout_s),
+            addr, port, world_size, is_master=serve, timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
         )
     except Exception as e:
