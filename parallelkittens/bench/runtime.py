@@ -55,6 +55,8 @@ def _bench_rank() -> dict:
     variants = {
         "pkl.store (register), 4096/program, 4 per SM": lambda: _copy_store_kernel[(4 * sms,)](
             src, dst.local, dst.handle, n, BLOCK=4096, num_warps=4),
+        "pkl.store (register), 8192/program, 2 per SM, 8 warps": lambda: _copy_store_kernel[(2 * sms,)](
+            src, dst.local, dst.handle, n, BLOCK=8192, num_warps=8),
         "peer_descriptor (TMA), 64x256 tiles, 1 per SM": lambda: _copy_tma_kernel[(sms,)](
             src, dst.local, dst.handle, n // 4096, COLS=4096, BM=64, BN=256, num_warps=4),
         "peer_descriptor (TMA), 128x128 tiles, 2 per SM": lambda: _copy_tma_kernel[(2 * sms,)](
@@ -67,8 +69,10 @@ def _bench_rank() -> dict:
         exact = torch.equal(dst.local, src)
         ms = triton.testing.do_bench(launch, return_mode="median")
         ratio = ms_copy / ms
-        rows.append({"name": name, "ms": ms, "GB/s": 2 * GIB / ms / 1e6, "vs copy_": ratio, "correct": exact,
-                     "pass": exact and ratio >= 0.90})
+        rows.append({"name": name, "ms": ms, "GB/s": 2 * GIB / ms / 1e6, "vs copy_": ratio, "correct": exact})
+    best = max(r["vs copy_"] for r in rows[1:])
+    rows.append({"name": "best peer path vs copy_ (goal >= 0.90)", "vs copy_": best,
+                 "pass": best >= 0.90 and all(r["correct"] for r in rows[1:])})
     dst.free()
 
     counter = pk.zeros(1, torch.int32, name="bench.barrier")
