@@ -118,6 +118,14 @@ def wait(ptr, value, h):
 
 
 @triton.jit
+def wait_at_least(ptr, value, h):
+    """Like `wait`, until the counter is at least `value`: for counters that only grow, where a fast peer may
+    already have signalled the next round (not one of the paper's eight; `barrier_all` and the collectives'
+    epoch counters use it)."""
+    _wait(ptr, value, h, True)
+
+
+@triton.jit
 def signal(ptr, h, peer, value=1):
     """Add `value` to rank `peer`'s int32 counter at the offset `ptr` has in this rank's buffer.
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .errors import PKError, WaitTimeoutError
+from .errors import MismatchError, PKError, WaitTimeoutError, error_from_record
 
 BACKENDS = ("cuda", "cuda-shared", "cpu")
 
@@ -270,35 +270,33 @@ def is_initialized() -> bool:
 
 
 def check_errors() -> None:
-    """Raise `WaitTimeoutError` if a kernel of this rank gave up a bounded wait (PK_DEBUG=1). Synchronises."""
+    """Raise what a kernel of this rank recorded: `WaitTimeoutError` for a bounded wait that gave up
+    (PK_DEBUG=1), `MismatchError` for a collective whose ranks disagreed. Synchronises with the device."""
     ctx = context()
-    if not ctx.debug:
-        return
     record = ctx.debug_record.tolist()
     if record[0] != 0:
         ctx.debug_record.zero_()
-        raise WaitTimeoutError.from_record(record)
+        raise error_from_record(record)
 
 
 def sync() -> None:
-    """Wait for this rank's device work, then for every rank. In debug mode, a wait that timed out on any rank
-    raises `WaitTimeoutError` on every rank."""
+    """Wait for this rank's device work, then for every rank. An error a kernel recorded on any rank (a wait
+    that timed out, a collective called differently) raises on every rank."""
     ctx = context()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
-    if not ctx.debug:
-        dist.barrier(group=ctx.cpu_group)
-        return
     error = None
     try:
         check_errors()
-    except WaitTimeoutError as e:
-        error = str(e)
+    except PKError as e:
+        error = e
     errors: list = [None] * ctx.world_size
-    dist.all_gather_object(errors, error, group=ctx.cpu_group)
+    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)),
+                           group=ctx.cpu_group)
     found = [e for e in errors if e is not None]
     if found:
-        raise WaitTimeoutError("; ".join(found))
+        kind = MismatchError if any(name == "MismatchError" for name, _ in found) else WaitTimeoutError
+        raise kind("; ".join(message for _, message in found))
 
 
 def finalize() -> None:

@@ -25,6 +25,27 @@ class WaitTimeoutError(PKError):
         )
 
 
+class MismatchError(PKError):
+    """Ranks called one collective with different shapes, dtypes or dimensions (found on the device)."""
+
+
+# Collectives register a readable description for each signature they send, for MismatchError's message.
+SIGNATURES: dict[int, str] = {}
+
+
+def error_from_record(record: list[int]) -> PKError:
+    """The exception a kernel's debug record describes: [kind, rank, a, b, c, program, d]; kind 1 is a wait
+    that timed out (a = counter address, b = seen, c = expected, d = timeout ns), kind 2 a collective whose
+    ranks disagreed (b = a peer's signature, c = this rank's)."""
+    if record[0] == 2:
+        _, rank, _, theirs, mine, _, _ = record[:7]
+        return MismatchError(
+            f"rank {rank}: ranks disagree on a collective: this rank called "
+            f"{SIGNATURES.get(mine, f'signature {mine}')}, another rank "
+            f"{SIGNATURES.get(theirs, 'something else (another shape, dtype or dimension)')}")
+    return WaitTimeoutError.from_record(record)
+
+
 class RankError(PKError):
     """A rank started by `pk.spawn` raised; `.rank` is the rank, `.original` the exception (when picklable)."""
 

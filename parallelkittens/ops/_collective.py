@@ -1,0 +1,253 @@
+"""What every collective shares: a symmetric workspace, one pull kernel, and its one-way protocol.
+
+**Pull, one way.** Each rank's input sits in a symmetric buffer (its own parallel tensor, or a workspace it
+is copied into). Program p of every rank announces "my input is ready" by adding to counter arrive[p] on
+every rank, waits until its own arrive[p] reaches W·epoch, then reads the peers' tiles straight into the
+output in its final layout (summing them in fp32 for reductions). No two-way handshake, no staging on the
+receiver (the paper's principle 3). When done reading it adds to done[p] on every rank and waits for its own
+done[p] to reach W·epoch, so no rank overwrites its input while a peer still reads it. Counters only grow:
+the epoch lives on the device (the last program to finish advances it), so calls can be captured in a CUDA
+graph and replayed.
+
+**Ranks that disagree.** Before its first signal each program writes the call's signature (op, shapes, dtype,
+dimensions) into a slot of every rank; after the wait it compares all slots. If any differs, every program on
+every rank skips the data and still completes the protocol, so nothing hangs and nothing is read out of
+bounds; the rank records a `MismatchError`, which `pk.sync()` raises on every rank. With PK_DEBUG=1 the
+signatures are also compared on the host before any launch, and the error is raised right away.
+
+**Tiles.** The copy is described as a 4-D index space (three row dimensions and one contiguous column
+dimension) with row strides on the source and destination and offsets that depend on this rank (``me``) and
+on the peer read (``r``); every collective is such a copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from .. import language as pkl
+from ..runtime.context import context
+from ..runtime.device import num_sms
+from ..runtime.errors import SIGNATURES, MismatchError, PKError
+from ..runtime.memory import ParallelTensor, empty, zeros
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MOVE_DTYPES = FLOAT_DTYPES + tuple(d for d in (getattr(torch, "float8_e4m3fn", None),
+                                               getattr(torch, "float8_e5m2", None)) if d is not None) + (
+    torch.int32, torch.int64, torch.uint8, torch.int8, torch.int16)
+
+
+@triton.jit
+def _record_mismatch(h, theirs, mine):
+    record = tl.load(h + 2).to(tl.pointer_type(tl.int64))
+    if tl.atomic_cas(record, tl.full([], 0, tl.int64), tl.full([], 2, tl.int64)) == 0:
+        tl.store(record + 1, tl.load(h))
+        tl.store(record + 3, theirs)
+        tl.store(record + 4, mine)
+        tl.store(record + 5, tl.program_id(0).to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["sig", "limit"])
+def _pull_kernel(src_ptr, h, out_ptr, ctr_ptr, hc, meta_ptr, hm, sig, limit,
+                 R0, R1, R2, C, ss0, ss1, ss2, ds0, ds1, ds2, src_me, src_r, dst_me, dst_r,
+                 REDUCE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    p = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    me = pkl.rank(h)
+    world = pkl.world_size(h)
+    epoch = tl.load(ctr_ptr) + 1
+    slot = meta_ptr + (epoch % 2) * world  # two sets of slots: a peer may already be one call ahead
+    for r in range(world):
+        pkl.store(slot + me, sig, hm, r)
+    arrive = ctr_ptr + 2 + p
+    pkl.signal_all(arrive, hc)
+    pkl.wait_at_least(arrive, world * epoch, hc)
+    mismatch = tl.zeros([], tl.int64)
+    for r in range(world):
+        theirs = tl.load(slot + r, volatile=True)
+        mismatch = tl.where(theirs != sig, theirs, mismatch)
+    if mismatch != 0:
+        _record_mismatch(h, mismatch, sig)
+    else:
+        rows = R0 * R1 * R2
+        tiles_c = tl.cdiv(C, BC)
+        for t in range(p, tl.cdiv(rows, BR) * tiles_c, num_programs):
+            row = (t // tiles_c) * BR + tl.arange(0, BR)
+            col = (t % tiles_c) * BC + tl.arange(0, BC)
+            i2 = row % R2
+            i1 = (row // R2) % R1
+            i0 = row // (R1 * R2)
+            src_off = (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None] + col[None, :] + src_me * me
+            dst_off = (i0 * ds0 + i1 * ds1 + i2 * ds2)[:, None] + col[None, :] + dst_me * me
+            mask = (row < rows)[:, None] & (col < C)[None, :]
+            if REDUCE:  # every rank sums in rank order, so every rank gets the same bits
+                acc = tl.zeros([BR, BC], tl.float32)
+                for r in range(world):
+                    m = mask & (src_off + src_r * r < limit)
+                    acc += pkl.load(src_ptr + src_off + src_r * r, h, r, m, 0).to(tl.float32)
+                tl.store(out_ptr + dst_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                for i in range(world):
+                    r = (me + i) % world  # start at different peers so ranks do not all read one link
+                    m = mask & (src_off + src_r * r < limit)
+                    tl.store(out_ptr + dst_off + dst_r * r, pkl.load(src_ptr + src_off + src_r * r, h, r, m), mask=m)
+    done = ctr_ptr + 2 + num_programs + p
+    pkl.signal_all(done, hc)
+    pkl.wait_at_least(done, world * epoch, hc)
+    if tl.atomic_add(ctr_ptr + 1, 1, sem="acq_rel", scope="gpu") == num_programs - 1:  # the last one out
+        tl.store(ctr_ptr + 1, 0)
+        tl.store(ctr_ptr, epoch)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One pull: for each peer r, the region at ``src_me*me + src_r*r`` of r's buffer, shaped (rows..., cols)
+    with row strides `src_strides`, lands at ``dst_me*me + dst_r*r`` of the output with `dst_strides`
+    (summed over r when `reduce`). Source elements at or past `limit` read as zero / are skipped."""
+
+    rows: tuple[int, int, int]
+    cols: int
+    src_strides: tuple[int, int, int]
+    dst_strides: tuple[int, int, int]
+    src_me: int = 0
+    src_r: int = 0
+    dst_me: int = 0
+    dst_r: int = 0
+    reduce: bool = False
+    limit: int = 2**62
+
+
+def collapse(shape: tuple[int, ...], src: tuple[int, ...], dst: tuple[int, ...]
+             ) -> tuple[tuple[int, int, int], int, tuple[int, int, int], tuple[int, int, int]]:
+    """Merge dimensions that are contiguous in both layouts and pad to (3 row dims, 1 column dim); the last
+    dimension must have stride 1 in both. Raises PKError for layouts needing more than four dimensions."""
+    dims = [(n, s, d) for n, s, d in zip(shape, src, dst, strict=True) if n != 1] or [(1, 1, 1)]
+    if dims[-1][1] != 1 or dims[-1][2] != 1:
+        dims.append((1, 1, 1))
+    merged = [dims[-1]]
+    for n, s, d in reversed(dims[:-1]):
+        inner_n, inner_s, inner_d = merged[0]
+        if s == inner_s * inner_n and d == inner_d * inner_n:
+            merged[0] = (n * inner_n, inner_s, inner_d)
+        else:
+            merged.insert(0, (n, s, d))
+    if len(merged) > 4:
+        raise PKError(f"this layout needs {len(merged)} dimensions after merging; at most 4 are supported")
+    while len(merged) < 4:
+        merged.insert(0, (1, 0, 0))
+    rows = tuple(n for n, _, _ in merged[:3])
+    return rows, merged[3][0], tuple(s for _, s, _ in merged[:3]), tuple(d for _, _, d in merged[:3])
+
+
+def signature(*parts) -> int:
+    """A 62-bit id of the call's op, shapes, dtype and dims; registered for readable mismatch errors."""
+    text = repr(parts)
+    sig = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2 or 1
+    SIGNATURES[sig] = f"{parts[0]} with {', '.join(map(str, parts[1:]))}"
+    return sig
+
+
+class Workspace:
+    """Symmetric staging buffer (bytes, grown on demand, collectively) and the protocol's counters, made once
+    per op; `calls` share it in order."""
+
+    def __init__(self, name: str):
+        ctx = context()
+        self.name = name
+        self.programs = num_sms()
+        # [epoch, finished, arrive[programs], done[programs]]
+        self.counters = zeros(2 + 2 * self.programs, torch.int32, name=f"{name}.counters")
+        self.meta = zeros(2 * ctx.local_world_size, torch.int64, name=f"{name}.signatures")
+        self.buffers: dict[int, ParallelTensor] = {}
+
+    def staging(self, nbytes: int, slot: int = 0) -> ParallelTensor:
+        """Staging buffer `slot`, at least `nbytes` long (growing it is collective: every rank grows together,
+        in powers of two from 1 MiB, so that repeated calls of one size never reallocate)."""
+        buf = self.buffers.get(slot)
+        if buf is None or buf.local.numel() < nbytes:
+            if buf is not None:
+                buf.free()
+            size = 1 << math.ceil(math.log2(max(nbytes, 1 << 20)))
+            buf = self.buffers[slot] = empty(size, torch.uint8, name=f"{self.name}.staging{slot}")
+        return buf
+
+    def source(self, x: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pointer tensor, handle) for peers to read `x` from: `x` itself if it is a parallel tensor's local
+        buffer, else a copy in the staging buffer."""
+        pt = _owning_parallel_tensor(x)
+        if pt is not None:
+            return x, pt.handle
+        buf = self.staging(x.numel() * x.element_size())
+        staged = buf.local[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+        staged.copy_(x)
+        return staged, buf.handle
+
+    def pull(self, src: torch.Tensor, handle: torch.Tensor, out: torch.Tensor, copy: Copy, sig: int) -> None:
+        """Launch the pull kernel for `copy` from every rank's `src` into `out`."""
+        bc = min(1024, triton.next_power_of_2(max(copy.cols, 16)))
+        rows = math.prod(copy.rows)
+        br = max(1, min(4096 // bc, triton.next_power_of_2(rows)))
+        _pull_kernel[(self.programs,)](
+            src, handle, out, self.counters.local, self.counters.handle, self.meta.local, self.meta.handle, sig,
+            copy.limit, *copy.rows, copy.cols, *copy.src_strides, *copy.dst_strides, copy.src_me, copy.src_r,
+            copy.dst_me, copy.dst_r, REDUCE=copy.reduce, BR=br, BC=bc, num_warps=4)
+
+
+_WORKSPACES: dict[str, Workspace] = {}
+
+
+def workspace(name: str) -> Workspace:
+    """The op's workspace, made on first use (collective, like the op itself)."""
+    ctx = context()
+    key = f"{name}@{id(ctx)}"
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = Workspace(name)
+    return _WORKSPACES[key]
+
+
+def _owning_parallel_tensor(x: torch.Tensor) -> ParallelTensor | None:
+    from ..runtime.memory import _live
+
+    for pt in list(_live):
+        if pt._peers is not None and pt.local.data_ptr() == x.data_ptr() and pt.local.shape == x.shape \
+                and pt.local.dtype == x.dtype and x.is_contiguous():
+            return pt
+    return None
+
+
+def check_input(op: str, x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    """Refuse what no rank can run, before anything collective happens."""
+    ctx = context()
+    if not isinstance(x, torch.Tensor):
+        raise PKError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.device != ctx.device:
+        raise PKError(f"{op}: the tensor is on {x.device}, but this rank's device is {ctx.device}")
+    if x.dtype not in dtypes:
+        raise PKError(f"{op}: dtype {x.dtype} is not supported; use one of {', '.join(map(str, dtypes))}")
+    if not x.is_contiguous():
+        raise PKError(f"{op}: the tensor must be contiguous (call .contiguous() first); strides {x.stride()}")
+
+
+def agree(op: str, sig: int) -> None:
+    """With PK_DEBUG=1: compare every rank's call on the host before launching, and raise on every rank."""
+    ctx = context()
+    if not ctx.debug:
+        return
+    everyone: list = [None] * ctx.local_world_size
+    dist.all_gather_object(everyone, (sig, SIGNATURES.get(sig, "")), group=ctx.node_group)
+    if any(s != sig for s, _ in everyone):
+        calls = "; ".join(f"rank {r}: {desc}" for r, (_, desc) in enumerate(everyone))
+        raise MismatchError(f"{op}: ranks called it differently: {calls}")
+
+
+def normalize_dim(op: str, dim: int, ndim: int) -> int:
+    """`dim` in [0, ndim), or a clear error."""
+    if not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise PKError(f"{op}: dim {dim!r} is out of range for a {ndim}-dimensional tensor")
+    return dim % ndim
