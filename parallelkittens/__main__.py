@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import BENCHMARKS, run_benchmark
 
     if args.list or not args.name:
-        print("\n".join(f"{name:<12} {fn.__doc__.splitlines()[0]}" for name, fn in BENCHMARKS.items()))
+        print("\n".join(f"{name:<15} {fn.__doc__.splitlines()[0]}" for name, fn in BENCHMARKS.items()))
         return 0
     return run_benchmark(args.name, args.out)
 

@@ -35,7 +35,58 @@ def check_lcsc_example() -> CheckResult:
                        err <= TOLERANCE[dtype], t.ms)
 
 
-CASES = {**CHECKS, "lcsc_example": check_lcsc_example}
+def _collective_check(name: str, shape: tuple, dtype: torch.dtype, run, reference, exact: bool) -> CheckResult:
+    ctx = context()
+    seed = shared_seed()
+    inputs = [rank_data(shape, dtype, seed, r) for r in range(ctx.local_world_size)]
+    run(inputs[ctx.local_rank])  # warm-up: compiles, allocates the workspace
+    with Timer() as t:
+        out = run(inputs[ctx.local_rank])
+    ref = reference(inputs, ctx.local_rank)
+    err = relative_error(out, ref)
+    ok = torch.equal(out.cpu(), ref.to(out.dtype).cpu()) if exact else err <= TOLERANCE[dtype]
+    return CheckResult(name, "x".join(map(str, shape)), err, bool(ok), t.ms)
+
+
+def check_all_reduce_op() -> CheckResult:
+    """pk.ops.all_reduce, two-shot size, bf16."""
+    from .ops import all_reduce
+    from .ops.all_reduce import reference_all_reduce
+
+    return _collective_check("ops.all_reduce", (300_001,), torch.bfloat16, all_reduce,
+                             lambda xs, r: reference_all_reduce(xs), False)
+
+
+def check_all_gather_op() -> CheckResult:
+    """pk.ops.all_gather along dim 1."""
+    from .ops import all_gather
+    from .ops.all_gather import reference_all_gather
+
+    return _collective_check("ops.all_gather dim 1", (8, 33, 16), torch.float32, lambda x: all_gather(x, 1),
+                             lambda xs, r: reference_all_gather(xs, 1), True)
+
+
+def check_reduce_scatter_op() -> CheckResult:
+    """pk.ops.reduce_scatter along dim 1, fp16."""
+    from .ops import reduce_scatter
+    from .ops.reduce_scatter import reference_reduce_scatter
+
+    return _collective_check("ops.reduce_scatter dim 1", (8, 4 * 24, 16), torch.float16,
+                             lambda x: reduce_scatter(x, 1), lambda xs, r: reference_reduce_scatter(xs, r, 1), False)
+
+
+def check_all_to_all_op() -> CheckResult:
+    """pk.ops.all_to_all in the Ulysses layout (B, N/W, H, D) -> (B, N, H/W, D)."""
+    from .ops import all_to_all
+    from .ops.all_to_all import reference_all_to_all
+
+    return _collective_check("ops.all_to_all ulysses", (2, 16, 8, 32), torch.bfloat16,
+                             lambda x: all_to_all(x, 2, 1), lambda xs, r: reference_all_to_all(xs, r, 2, 1), True)
+
+
+CASES = {**CHECKS, "lcsc_example": check_lcsc_example, "ops.all_reduce": check_all_reduce_op,
+         "ops.all_gather": check_all_gather_op, "ops.reduce_scatter": check_reduce_scatter_op,
+         "ops.all_to_all": check_all_to_all_op}
 
 
 def _rank(names: list[str]) -> list[dict]:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-SIGNALLING = ("signal_wait", "signal_all", "barrier_all", "lcsc_example")
+SIGNALLING = ("signal_wait", "signal_all", "barrier_all", "lcsc_example", "collective_pull")
 
 
 def _markers(debug: str) -> dict:

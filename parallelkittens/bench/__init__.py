@@ -14,9 +14,22 @@ import platform
 import sys
 from collections.abc import Callable
 
+from .collectives import bench_collective, plot
 from .runtime import bench_runtime
 
-BENCHMARKS: dict[str, Callable[[], dict]] = {"runtime": bench_runtime}
+
+def _collective(name: str) -> Callable[[], dict]:
+    def run() -> dict:
+        return bench_collective(name)
+
+    run.__doc__ = f"{name}: 4 KB to 1 GB, ours beside torch.distributed (and symmetric memory), bf16"
+    return run
+
+
+BENCHMARKS: dict[str, Callable[[], dict]] = {
+    "runtime": bench_runtime,
+    **{name: _collective(name) for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")},
+}
 
 
 def environment(world_size: int) -> dict:
@@ -53,4 +66,7 @@ def run_benchmark(name: str, out_dir: str) -> int:
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     print(f"wrote {path}")
-    return 0 if all(row.get("pass", True) for row in record.get("rows", [])) else 1
+    if name != "runtime" and plot(name, record, path[:-5] + ".png"):
+        print(f"wrote {path[:-5]}.png")
+    ok = all(row.get("pass", True) for row in record.get("rows", [])) and record.get("goal", {}).get("pass", True)
+    return 0 if ok else 1

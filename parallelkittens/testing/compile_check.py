@@ -27,6 +27,7 @@ MARKERS = {
 
 
 def _kernels():
+    from ..ops._collective import _pull_kernel
     from ..ops.barrier import _barrier_kernel
     from ..template import example
     from . import primitive_checks as pc
@@ -48,6 +49,11 @@ def _kernels():
         "tma_store_add": (pc._tma_kernel, {"src_ptr": "*fp32", "y_ptr": "*fp32", "h": i64, "M": "i32", "N": "i32",
                                            "ADD": "constexpr", "BM": "constexpr", "BN": "constexpr"},
                           {"ADD": True, "BM": 64, "BN": 64}),
+        "collective_pull": (_pull_kernel, {
+            "src_ptr": "*bf16", "h": i64, "out_ptr": "*bf16", "ctr_ptr": "*i32", "hc": i64, "meta_ptr": i64, "hm": i64,
+            "sig": "i64", "limit": "i64", **{k: "i32" for k in ("R0", "R1", "R2", "C", "ss0", "ss1", "ss2", "ds0",
+                                                               "ds1", "ds2", "src_me", "src_r", "dst_me", "dst_r")},
+            "REDUCE": "constexpr", "BR": "constexpr", "BC": "constexpr"}, {"REDUCE": True, "BR": 4, "BC": 1024}),
         "lcsc_example": (example._scaled_all_gather_kernel,
                          {"x_ptr": "*bf16", "out_ptr": "*bf16", "h": i64, "counters_ptr": "*i32", "hc": i64,
                           "alpha": "fp32", "M": "i32", "N": "i32", "num_tasks": "i32",

@@ -144,7 +144,7 @@ def check_load() -> CheckResult:
             checks.append((dtype, first_mismatch(out, expected)))
             barrier()
             x.free()
-    return _move("load", checks, t.ms)
+    return _move("pkl.load", checks, t.ms)
 
 
 def check_store() -> CheckResult:
@@ -164,7 +164,7 @@ def check_store() -> CheckResult:
             expected[prev] = rank_data(N, dtype, seed, prev)
             checks.append((dtype, first_mismatch(y.local, expected)))
             y.free()
-    return _move("store", checks, t.ms, (world, N))
+    return _move("pkl.store", checks, t.ms, (world, N))
 
 
 def check_store_add() -> CheckResult:
@@ -187,7 +187,7 @@ def check_store_add() -> CheckResult:
             if not err <= TOLERANCE[dtype] * world:
                 details.append(f"{dtype}: relative error {err:.2e}")
             acc.free()
-    return _result("store_add", (N,), max(errors), not details, t.ms, "; ".join(details))
+    return _result("pkl.store_add", (N,), max(errors), not details, t.ms, "; ".join(details))
 
 
 def check_reduce() -> CheckResult:
@@ -209,7 +209,7 @@ def check_reduce() -> CheckResult:
                 details.append(f"{dtype}: relative error {err:.2e}")
             barrier()
             x.free()
-    return _result("reduce", (N,), max(errors), not details, t.ms, "; ".join(details))
+    return _result("pkl.reduce", (N,), max(errors), not details, t.ms, "; ".join(details))
 
 
 def check_all_reduce() -> CheckResult:
@@ -230,7 +230,7 @@ def check_all_reduce() -> CheckResult:
             if not err <= TOLERANCE[dtype]:
                 details.append(f"{dtype}: relative error {err:.2e}")
             x.free()
-    return _result("all_reduce", (N,), max(errors), not details, t.ms, "; ".join(details))
+    return _result("pkl.all_reduce", (N,), max(errors), not details, t.ms, "; ".join(details))
 
 
 def check_signal_wait() -> CheckResult:
