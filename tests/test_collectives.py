@@ -29,11 +29,11 @@ def _gloo_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gloo_all_to_all(x: torch.Tensor, sd: int, gd: int) -> torch.Tensor:
+    # gloo has no alltoall in every torch (2.11 lacks it): gather everything, keep what this rank receives
     ctx = pk.context()
-    chunks = [c.contiguous().cpu() for c in x.chunk(ctx.world_size, dim=sd)]
-    received = [torch.empty_like(c) for c in chunks]
-    dist.all_to_all(received, chunks, group=ctx.cpu_group)
-    return torch.cat(received, dim=gd)
+    inputs = [torch.empty_like(x, device="cpu") for _ in range(ctx.world_size)]
+    dist.all_gather(inputs, x.cpu().contiguous(), group=ctx.cpu_group)
+    return torch.cat([t.chunk(ctx.world_size, dim=sd)[ctx.rank] for t in inputs], dim=gd)
 
 
 def _check_all(world: int) -> list[str]:
