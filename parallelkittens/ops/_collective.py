@@ -160,7 +160,9 @@ class Workspace:
     def __init__(self, name: str):
         ctx = context()
         self.name = name
-        self.programs = num_sms()
+        # Several programs per SM keep enough loads in flight to fill HBM and NVLink (the runtime benchmark's
+        # register path: 4 per SM); under the interpreter every program is a thread, so one per "SM" there.
+        self.programs = num_sms() * (4 if ctx.device.type == "cuda" else 1)
         # [epoch, finished, arrive[programs], done[programs]]
         self.counters = zeros(2 + 2 * self.programs, torch.int32, name=f"{name}.counters")
         self.meta = zeros(2 * ctx.local_world_size, torch.int64, name=f"{name}.signatures")
@@ -190,7 +192,7 @@ class Workspace:
 
     def pull(self, src: torch.Tensor, handle: torch.Tensor, out: torch.Tensor, copy: Copy, sig: int) -> None:
         """Launch the pull kernel for `copy` from every rank's `src` into `out`."""
-        bc = min(1024, triton.next_power_of_2(max(copy.cols, 16)))
+        bc = min(4096, triton.next_power_of_2(max(copy.cols, 16)))  # tiles of up to 4096 elements
         rows = math.prod(copy.rows)
         br = max(1, min(4096 // bc, triton.next_power_of_2(rows)))
         _pull_kernel[(self.programs,)](
