@@ -35,7 +35,7 @@ from .. import language as pkl
 from ..runtime.context import context
 from ..runtime.device import num_sms
 from ..runtime.errors import SIGNATURES, MismatchError, PKError
-from ..runtime.memory import ParallelTensor, empty, zeros
+from ..runtime.memory import ParallelTensor, empty, owner_of, zeros
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MOVE_DTYPES = FLOAT_DTYPES + tuple(d for d in (getattr(torch, "float8_e4m3fn", None),
@@ -182,7 +182,7 @@ class Workspace:
     def source(self, x: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(pointer tensor, handle) for peers to read `x` from: `x` itself if it is a parallel tensor's local
         buffer, else a copy in the staging buffer."""
-        pt = _owning_parallel_tensor(x)
+        pt = owner_of(x)
         if pt is not None:
             return x, pt.handle
         buf = self.staging(x.numel() * x.element_size())
@@ -211,16 +211,6 @@ def workspace(name: str) -> Workspace:
     if key not in _WORKSPACES:
         _WORKSPACES[key] = Workspace(name)
     return _WORKSPACES[key]
-
-
-def _owning_parallel_tensor(x: torch.Tensor) -> ParallelTensor | None:
-    from ..runtime.memory import _live
-
-    for pt in list(_live):
-        if pt._peers is not None and pt.local.data_ptr() == x.data_ptr() and pt.local.shape == x.shape \
-                and pt.local.dtype == x.dtype and x.is_contiguous():
-            return pt
-    return None
 
 
 def check_input(op: str, x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:

@@ -95,13 +95,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def debug_enabled() -> bool:
-    """True when waits are bounded and report timeouts (PK_DEBUG=1, read when the package was imported)."""
-    from ..language import signals
-
-    return bool(signals.DEBUG)
-
-
 def choose_backend(local_world_size: int, requested: str | None = None) -> str:
     """The backend for `local_world_size` ranks on this machine: `requested`, else PK_BACKEND, else the best
     that runs (a GPU per rank, else ranks sharing a GPU, else the CPU interpreter)."""

@@ -134,6 +134,15 @@ class ParallelTensor:
         return f"ParallelTensor({self.name!r}, {state}, rank {self.rank} of {self.world_size})"
 
 
+def owner_of(t: torch.Tensor) -> ParallelTensor | None:
+    """The live parallel tensor whose whole local buffer `t` is (same start, shape and dtype), if any."""
+    for pt in list(_live):
+        if pt._peers is not None and pt.local.data_ptr() == t.data_ptr() and pt.local.shape == t.shape \
+                and pt.local.dtype == t.dtype and t.is_contiguous():
+            return pt
+    return None
+
+
 def describe_address(address: int) -> str:
     """Name the parallel-tensor element at `address` (for error messages), e.g. ``'flags'[3] of rank 1``."""
     for pt in list(_live):
