@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 from .collectives import bench_collective, plot
+from .matmul import bench_matmul
 from .runtime import bench_runtime
 
 
@@ -28,6 +29,7 @@ def _collective(name: str) -> Callable[[], dict]:
 
 BENCHMARKS: dict[str, Callable[[], dict]] = {
     "runtime": bench_runtime,
+    "matmul": bench_matmul,
     **{name: _collective(name) for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")},
 }
 
@@ -66,7 +68,7 @@ def run_benchmark(name: str, out_dir: str) -> int:
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     print(f"wrote {path}")
-    if name != "runtime" and plot(name, record, path[:-5] + ".png"):
+    if name not in ("runtime", "matmul") and plot(name, record, path[:-5] + ".png"):
         print(f"wrote {path[:-5]}.png")
     ok = all(row.get("pass", True) for row in record.get("rows", [])) and record.get("goal", {}).get("pass", True)
     return 0 if ok else 1

@@ -1,0 +1,40 @@
+"""The single-GPU GEMM core against cuBLAS (torch.matmul), one rank: 8192^3 and the local shapes of the
+fused ops' sweep at W = 8 (all-gather + GEMM: N x N/8 x N; GEMM + reduce-scatter / all-reduce: N x N x N/8).
+Issue 4's goal: at least 1.0x torch.matmul. bf16, random inputs, medians of do_bench."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+SHAPES = [(8192, 8192, 8192)] + [s for n in (4096, 8192, 16384) for s in ((n, n // 8, n), (n, n, n // 8))]
+
+
+def _rank() -> list[dict]:
+    from ..ops.matmul import matmul
+
+    rows = []
+    for M, N, K in SHAPES:
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        ref = torch.matmul(a.float(), b.float())
+        err = float((matmul(a, b).float() - ref).norm() / ref.norm())
+        ours = triton.testing.do_bench(lambda: matmul(a, b), return_mode="median")  # noqa: B023
+        cublas = triton.testing.do_bench(lambda: torch.matmul(a, b), return_mode="median")  # noqa: B023
+        flops = 2 * M * N * K
+        rows.append({"M": M, "N": N, "K": K, "ours_ms": ours, "cublas_ms": cublas, "ours_tflops": flops / ours / 1e9,
+                     "cublas_tflops": flops / cublas / 1e9, "vs_cublas": cublas / ours, "rel_error": err,
+                     "pass": err < 1e-2 and cublas / ours >= 1.0})
+    return rows
+
+
+def bench_matmul() -> dict:
+    """Persistent descriptor GEMM vs torch.matmul (cuBLAS), bf16, one GPU."""
+    import parallelkittens as pk
+
+    rows = pk.spawn(_rank, 1, backend="cuda", timeout=900)[0]
+    print(f"{'M':>6} {'N':>6} {'K':>6} {'ours TFLOP/s':>13} {'cuBLAS':>8} {'x cuBLAS':>9} {'rel err':>8}")
+    for r in rows:
+        print(f"{r['M']:>6} {r['N']:>6} {r['K']:>6} {r['ours_tflops']:>13.0f} {r['cublas_tflops']:>8.0f} "
+              f"{r['vs_cublas']:>9.3f} {r['rel_error']:>8.1e}")
+    return {"world_size": 1, "rows": rows}
