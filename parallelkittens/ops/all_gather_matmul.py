@@ -1,0 +1,165 @@
+"""all_gather_matmul: all_gather(a) @ b, with the gather overlapped by the GEMM (the paper's AG+GEMM).
+
+Schedule (LCSC, inter-SM). Communicator programs push this rank's shard of A, one row chunk (BM rows of the
+gathered A) per task, into every rank's symmetric copy of the gathered A, and signal that chunk's flag on
+every rank. Compute programs start with this rank's own row tiles, which they read straight from the local
+shard with no wait, then go round the other ranks' blocks, waiting for each row chunk's flag before its
+k-loop. A one-program finish kernel zeroes the flags and passes a barrier, so the next call cannot overwrite
+a gathered row a peer is still reading.
+
+Chunks are aligned to the gathered A's rows, so a chunk may hold rows of two ranks when the shard height is
+not a multiple of BM: its flag then expects two signals. Pushes use the register path with masks (any shape);
+a TMA variant for aligned shards is the next step for speed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import language as pkl
+from ..runtime.context import context
+from ..runtime.errors import PKError
+from ..runtime.memory import empty, zeros
+from ..template import grid, lcsc
+from ._collective import agree, signature
+from .matmul import MatmulConfig, check_operands, default_config, mainloop, tile_coords
+
+
+def reference_all_gather_matmul(shards: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
+    """all_gather(a) @ b in float64."""
+    return torch.cat([s.double() for s in shards]) @ b.double()
+
+
+@triton.jit
+def _chunk_writers(chunk, m_local, M, BM):
+    """How many ranks write rows of gathered row chunk `chunk` (1, or more when shards are not BM-aligned)."""
+    first = (chunk * BM) // m_local
+    last = (tl.minimum(chunk * BM + BM, M) - 1) // m_local
+    return last - first + 1
+
+
+@triton.jit
+def _consumer(G, C, task, loader):
+    a_ptr, a_full_ptr, b_ptr, flags_ptr, hf, m_local, M, N, K = G[0], G[1], G[2], G[4], G[5], G[7], G[8], G[9], G[10]
+    me = pkl.rank(hf)
+    tiles_m = tl.cdiv(M, C[0])
+    pid_m, pid_n = tile_coords(task, M, N, C[0], C[1], C[3])
+    # rotate rows so that this rank's own block comes first
+    pid_m = (pid_m + (me * m_local) // C[0]) % tiles_m
+    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [C[2], C[1]])
+    row0 = pid_m * C[0]
+    if (row0 >= me * m_local) & (row0 + C[0] <= (me + 1) * m_local):  # wholly mine: read the local shard
+        a_desc = tl.make_tensor_descriptor(a_ptr, [m_local, K], [K, 1], [C[0], C[2]])
+        acc = mainloop(a_desc, b_desc, row0 - me * m_local, pid_n * C[1], K, C[0], C[1], C[2], C[4])
+    else:
+        pkl.wait(flags_ptr + pid_m, _chunk_writers(pid_m, m_local, M, C[0]), hf)
+        a_desc = tl.make_tensor_descriptor(a_full_ptr, [M, K], [K, 1], [C[0], C[2]])
+        acc = mainloop(a_desc, b_desc, row0, pid_n * C[1], K, C[0], C[1], C[2], C[4])
+    return acc, pid_m, pid_n
+
+
+@triton.jit
+def _storer(G, C, task, result):
+    acc, pid_m, pid_n = result
+    c_ptr, M, N = G[3], G[8], G[9]
+    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [C[0], C[1]])
+    c_desc.store([pid_m * C[0], pid_n * C[1]], acc.to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _communicator(G, C, task):
+    """Push this rank's rows of gathered row chunk `first_chunk + task` to every rank, then signal it."""
+    a_ptr, a_full_ptr, flags_ptr, hf, h, m_local, K = G[0], G[1], G[4], G[5], G[6], G[7], G[10]
+    me = pkl.rank(h)
+    chunk = (me * m_local) // C[0] + task
+    rows = chunk * C[0] + tl.arange(0, C[0])
+    mine = (rows >= me * m_local) & (rows < (me + 1) * m_local)
+    for k0 in range(0, K, C[5]):
+        cols = k0 + tl.arange(0, C[5])
+        mask = mine[:, None] & (cols < K)[None, :]
+        tile = tl.load(a_ptr + (rows - me * m_local)[:, None] * K + cols[None, :], mask=mask)
+        for i in range(pkl.world_size(h)):
+            peer = (me + i) % pkl.world_size(h)
+            pkl.store(a_full_ptr + rows[:, None] * K + cols[None, :], tile, h, peer, mask)
+    for i in range(pkl.world_size(h)):
+        pkl.signal(flags_ptr + chunk, hf, (me + i) % pkl.world_size(h))
+
+
+@triton.jit
+def _ag_matmul_kernel(a_ptr, a_full_ptr, b_ptr, c_ptr, flags_ptr, hf, h, m_local, M, N, K, num_tasks,
+                      num_comm_tasks, NUM_COMM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, BK_COPY: tl.constexpr):
+    G = (a_ptr, a_full_ptr, b_ptr, c_ptr, flags_ptr, hf, h, m_local, M, N, K)
+    lcsc(G, (BM, BN, BK, GROUP_M, STAGES, BK_COPY), num_tasks, num_comm_tasks, NUM_COMM, None, _consumer, _storer,
+         _communicator)
+
+
+@triton.jit
+def _finish_kernel(flags_ptr, barrier_ptr, hf, num_flags, BLOCK: tl.constexpr):
+    for start in range(0, num_flags, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(flags_ptr + offs, 0, mask=offs < num_flags)
+    pkl.barrier_all(barrier_ptr, hf)
+
+
+class _State:
+    """Per (shape, dtype) symmetric buffers: the gathered A, one flag per row chunk, a barrier counter."""
+
+    def __init__(self, m_local: int, K: int, dtype: torch.dtype, bm: int):
+        world = context().local_world_size
+        self.a_full = empty((world * m_local, K), dtype, name="all_gather_matmul.a")
+        self.num_chunks = triton.cdiv(world * m_local, bm)
+        self.counters = zeros(self.num_chunks + 1, torch.int32, name="all_gather_matmul.flags")
+
+
+_STATES: dict = {}
+
+
+def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
+                      config: MatmulConfig | None = None) -> torch.Tensor:
+    """all_gather(a) @ b: `a` is this rank's (M/W, K) row shard, `b` (K, N); returns (M, N) on every rank.
+
+    Collective. bf16 or fp16 with fp32 accumulation; K and N multiples of 8 (TMA rows), M/W anything.
+    `num_comm_sms` communicator programs push the shard (default: 1 per 16 SMs, at least 1 when W > 1).
+    """
+    op = "all_gather_matmul"
+    check_operands(op, a, b)
+    ctx = context()
+    world = ctx.local_world_size
+    cfg = (config or default_config()).validate()
+    a, b = a.contiguous(), b.contiguous()
+    m_local, K = a.shape
+    N = b.shape[1]
+    M = world * m_local
+    sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
+    agree(op, sig)
+    key = (m_local, K, a.dtype, cfg.block_m, id(ctx))
+    if key not in _STATES:
+        _STATES[key] = _State(m_local, K, a.dtype, cfg.block_m)
+    state = _STATES[key]
+    num_comm = 0 if world == 1 else (num_comm_sms or max(1, ctx_sms() // 16))
+    my_chunks = (((ctx.local_rank + 1) * m_local - 1) // cfg.block_m) - (ctx.local_rank * m_local) // cfg.block_m + 1
+    num_comm_tasks = my_chunks if world > 1 and m_local > 0 else 0
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    c = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    if num_comm and num_comm >= ctx_sms():
+        raise PKError(f"{op}: num_comm_sms={num_comm} leaves no compute SM ({ctx_sms()} SMs)")
+    f = state.counters
+    _ag_matmul_kernel[grid(tiles, num_comm)](
+        a, state.a_full.local, b, c, f.local, f.handle, state.a_full.handle, m_local, M, N, K, tiles,
+        num_comm_tasks, NUM_COMM=num_comm, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        STAGES=cfg.num_stages, BK_COPY=min(64, triton.next_power_of_2(K)), num_warps=cfg.num_warps)
+    if world > 1:
+        _finish_kernel[(1,)](f.local, f.local[state.num_chunks:], f.handle, state.num_chunks, BLOCK=256)
+    return c
+
+
+def ctx_sms() -> int:
+    """SMs (programs) a persistent kernel may use on this rank."""
+    from ..runtime.device import num_sms
+
+    return num_sms()
