@@ -1,0 +1,117 @@
+"""matmul_reduce_scatter: this rank's row block of sum over ranks of a @ b (the paper's GEMM+RS).
+
+Schedule (intra-SM, no communicator). Each rank computes its partial product tile by tile, starting its sweep
+at a different row block (the next rank's), so that ranks do not all add into one owner at once. The epilogue
+adds each fp32 tile straight into its owner's fp32 accumulator: one tensor-descriptor reduce-add (TMA,
+``cp.reduce.async.bulk``) when row blocks align with tiles, masked per-element atomics otherwise. After its
+last tile a program signals every rank; a one-program kernel waits for all programs of all ranks, then the
+accumulator is rounded into the output, zeroed for the next call, and a barrier closes the call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import language as pkl
+from ..runtime.context import context
+from ..runtime.errors import PKError
+from ..runtime.memory import zeros
+from ..template import grid, lcsc
+from ._collective import agree, signature
+from .barrier import barrier
+from .matmul import MatmulConfig, check_operands, default_config, mainloop, tile_coords
+
+
+def reference_matmul_reduce_scatter(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor], rank: int
+                                    ) -> torch.Tensor:
+    """Rank `rank`'s row block of sum_r a_r @ b_r, in float64."""
+    total = sum(a.double() @ b.double() for a, b in zip(a_parts, b_parts, strict=True))
+    return total.chunk(len(a_parts))[rank]
+
+
+@triton.jit
+def _consumer(G, C, task, loader):
+    a_ptr, b_ptr, hc, M, N, K, num_tasks = G[0], G[1], G[4], G[6], G[7], G[8], G[9]
+    me = pkl.rank(hc)
+    rotated = (task + me * num_tasks // pkl.world_size(hc)) % num_tasks  # start at another owner's block
+    pid_m, pid_n = tile_coords(rotated, M, N, C[0], C[1], C[3])
+    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [C[0], C[2]])
+    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [C[2], C[1]])
+    return mainloop(a_desc, b_desc, pid_m * C[0], pid_n * C[1], K, C[0], C[1], C[2], C[4]), pid_m, pid_n
+
+
+@triton.jit
+def _storer(G, C, task, result):
+    acc, pid_m, pid_n = result
+    acc_ptr, h, ctr_ptr, hc, m_block, N, num_tasks = G[2], G[3], G[5], G[4], G[10], G[7], G[9]
+    row0 = pid_m * C[0]
+    if C[5]:  # row blocks align with tiles: one bulk reduce-add into the owner
+        owner = row0 // m_block
+        dst = pkl.peer_descriptor(acc_ptr, h, owner, [m_block, N], [N, 1], [C[0], C[1]])
+        dst.atomic_add([row0 - owner * m_block, pid_n * C[1]], acc)
+    else:
+        rows = row0 + tl.arange(0, C[0])
+        cols = pid_n * C[1] + tl.arange(0, C[1])
+        for owner in range(row0 // m_block, tl.minimum((row0 + C[0] - 1) // m_block + 1, pkl.world_size(h))):
+            mask = ((rows >= owner * m_block) & (rows < (owner + 1) * m_block))[:, None] & (cols < N)[None, :]
+            ptrs = acc_ptr + (rows - owner * m_block)[:, None] * N + cols[None, :]
+            pkl.store_add(ptrs, acc, h, owner, mask)
+    if task + tl.num_programs(0) >= num_tasks:  # this program's last tile: tell every rank
+        pkl.signal_all(ctr_ptr, hc)
+
+
+@triton.jit
+def _mm_rs_kernel(a_ptr, b_ptr, acc_ptr, h, hc, ctr_ptr, M, N, K, num_tasks, m_block, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+                  ALIGNED: tl.constexpr):
+    G = (a_ptr, b_ptr, acc_ptr, h, hc, ctr_ptr, M, N, K, num_tasks, m_block)
+    lcsc(G, (BM, BN, BK, GROUP_M, STAGES, ALIGNED), num_tasks, 0, 0, None, _consumer, _storer, None)
+
+
+@triton.jit
+def _wait_kernel(ctr_ptr, hc, expected):
+    pkl.wait(ctr_ptr, expected, hc)
+    tl.store(ctr_ptr, 0)
+
+
+_STATES: dict = {}
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None) -> torch.Tensor:
+    """Sum over ranks of a @ b, scattered by rows: `a` is (M, K/W), `b` (K/W, N); returns (M/W, N).
+
+    Collective. bf16 or fp16, fp32 accumulation (across ranks too); M must divide by the world size; K/W and N
+    multiples of 8 (TMA rows).
+    """
+    op = "matmul_reduce_scatter"
+    check_operands(op, a, b)
+    ctx = context()
+    world = ctx.local_world_size
+    cfg = (config or default_config()).validate()
+    a, b = a.contiguous(), b.contiguous()
+    M, K = a.shape
+    N = b.shape[1]
+    if M % world:
+        raise PKError(f"{op}: M={M} rows do not divide by the world size {world}")
+    sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), cfg)
+    agree(op, sig)
+    m_block = M // world
+    out = torch.empty(m_block, N, dtype=a.dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    key = (m_block, N, id(ctx))
+    if key not in _STATES:
+        _STATES[key] = (zeros((m_block, N), torch.float32, name=f"{op}.acc"), zeros(1, torch.int32, name=f"{op}.done"))
+    acc, done = _STATES[key]
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    g = grid(tiles, 0)
+    _mm_rs_kernel[g](a, b, acc.local, acc.handle, done.handle, done.local, M, N, K, tiles, m_block,
+                     BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+                     ALIGNED=m_block % cfg.block_m == 0, num_warps=cfg.num_warps)
+    _wait_kernel[(1,)](done.local, done.handle, world * g[0])
+    out.copy_(acc.local)
+    acc.local.zero_()
+    barrier()  # nobody adds into an accumulator before its owner has read and zeroed it
+    return out
