@@ -28,14 +28,14 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, remember th
 { nvidia-smi -L; nvidia-smi topo -m; $PY -c 'import torch, triton; print("torch", torch.__version__, "triton",
   triton.__version__, "cuda", torch.version.cuda)'; } >"$OUT/machine.log" 2>&1
 cat "$OUT/machine.log"
+if [ "$WHAT" != tests ]; then
+  stage bench 300 bash -c 'for name in $($PY -m parallelkittens bench --list | cut -d" " -f1); do
+    echo "== bench $name"; $PY -m parallelkittens bench "$name" --out "'"$OUT"'/results"; done'
+  tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"  # few files may come back
+fi
 if [ "$WHAT" != bench ]; then
   stage tests 400 $PY -m pytest tests -q -p no:cacheprovider --timeout 300 -rfE --durations=12 ${2:+-k "$2"}
   stage demo 150 $PY -m parallelkittens demo --ranks 4
-fi
-if [ "$WHAT" != tests ]; then
-  stage bench 480 bash -c 'for name in $($PY -m parallelkittens bench --list | cut -d" " -f1); do
-    echo "== bench $name"; $PY -m parallelkittens bench "$name" --out "'"$OUT"'/results"; done'
-  tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"  # few files may come back
 fi
 
 echo "== summary ($GPUS GPU(s), worlds $PK_TEST_WORLDS) =="

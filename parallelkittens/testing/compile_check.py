@@ -23,16 +23,21 @@ MARKERS = {
     "tma_store": ("cp.async.bulk.tensor",),
     "tma_reduce": ("cp.reduce.async.bulk.tensor",),
     "globaltimer": ("%globaltimer",),
+    "wgmma": ("wgmma.mma_async",),
 }
 
 
 def _kernels():
+    from ..ops import all_gather_matmul as agm
+    from ..ops import matmul_all_reduce as mar
+    from ..ops import matmul_reduce_scatter as mrs
     from ..ops._collective import _pull_kernel
     from ..ops.barrier import _barrier_kernel
     from ..template import example
     from . import primitive_checks as pc
 
     i64 = "*i64"
+    GEMM = {"BM": 128, "BN": 256, "BK": 64, "GROUP_M": 8, "STAGES": 3}
     return {
         "signal_wait": (pc._signal_wait_kernel, {"src_ptr": "*fp32", "inbox_ptr": "*fp32", "h": i64,
                                                  "flags_ptr": "*i32", "hf": i64, "out_ptr": "*fp32", "n": "i32",
@@ -54,6 +59,20 @@ def _kernels():
             "sig": "i64", "limit": "i64", **{k: "i32" for k in ("R0", "R1", "R2", "C", "ss0", "ss1", "ss2", "ds0",
                                                                "ds1", "ds2", "src_me", "src_r", "dst_me", "dst_r")},
             "REDUCE": "constexpr", "BR": "constexpr", "BC": "constexpr"}, {"REDUCE": True, "BR": 4, "BC": 1024}),
+        "all_gather_matmul": (agm._ag_matmul_kernel, {
+            "a_ptr": "*bf16", "a_full_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": "*i32",
+            "hf": i64, "h": i64, **{k: "i32" for k in ("m_local", "M", "N", "K", "num_tasks", "num_comm_tasks")},
+            **{k: "constexpr" for k in GEMM}, "NUM_COMM": "constexpr", "BK_COPY": "constexpr"},
+            {**GEMM, "NUM_COMM": 8, "BK_COPY": 64}),
+        "matmul_reduce_scatter": (mrs._mm_rs_kernel, {
+            "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*fp32", "h": i64, "hc": i64, "ctr_ptr": "*i32",
+            **{k: "i32" for k in ("M", "N", "K", "num_tasks", "m_block")}, **{k: "constexpr" for k in GEMM},
+            "ALIGNED": "constexpr"}, {**GEMM, "ALIGNED": True}),
+        "matmul_all_reduce": (mar._mm_ar_kernel, {
+            "a_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*fp32", "h_part": i64, "out_ptr": "*bf16", "h_out": i64,
+            "ctr_ptr": "*i32", "hc": i64, **{k: "i32" for k in ("M", "N", "K", "num_tasks", "num_comm_tasks")},
+            **{k: "constexpr" for k in GEMM}, "NUM_COMM": "constexpr", "STRIP": "constexpr"},
+            {**GEMM, "NUM_COMM": 16, "STRIP": 64}),
         "lcsc_example": (example._scaled_all_gather_kernel,
                          {"x_ptr": "*bf16", "out_ptr": "*bf16", "h": i64, "counters_ptr": "*i32", "hc": i64,
                           "alpha": "fp32", "M": "i32", "N": "i32", "num_tasks": "i32",
@@ -71,7 +90,9 @@ def compile_all(arch: int) -> dict[str, list[str]]:
     found = {}
     for name, (fn, signature, constexprs) in _kernels().items():
         src = ASTSource(fn, signature, constexprs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+        gemm = "BM" in constexprs and constexprs.get("BN") == 256
+        options = {"num_warps": 8} if gemm else {}
+        ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
         found[name] = sorted(m for m, needles in MARKERS.items() if any(n in ptx for n in needles))
     return found
 

@@ -1,0 +1,129 @@
+"""matmul_all_reduce: sum over ranks of a @ b on every rank (the paper's GEMM+AR, on the LCSC template).
+
+Schedule (inter-SM). Compute programs store each fp32 partial tile into this rank's symmetric partial buffer
+and signal the tile's owner (tile % W). The owner's communicator programs wait until all W partials of a tile
+are in, sum them from every rank (fp32, rank order), and write the rounded result into every rank's output
+buffer, signalling each. A one-program finish kernel waits for every tile of the result, resets the counters
+and passes a barrier. This is the paper's figure 18, with the NVLink-switch reduction replaced by peer reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import language as pkl
+from ..runtime.context import context
+from ..runtime.device import num_sms
+from ..runtime.errors import PKError
+from ..runtime.memory import empty, zeros
+from ..template import grid, lcsc
+from ._collective import agree, signature
+from .matmul import MatmulConfig, check_operands, default_config, mainloop, tile_coords
+
+
+def reference_matmul_all_reduce(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor]) -> torch.Tensor:
+    """sum_r a_r @ b_r in float64."""
+    return sum(a.double() @ b.double() for a, b in zip(a_parts, b_parts, strict=True))
+
+
+@triton.jit
+def _consumer(G, C, task, loader):
+    a_ptr, b_ptr, M, N, K = G[0], G[1], G[7], G[8], G[9]
+    pid_m, pid_n = tile_coords(task, M, N, C[0], C[1], C[3])
+    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [C[0], C[2]])
+    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [C[2], C[1]])
+    return mainloop(a_desc, b_desc, pid_m * C[0], pid_n * C[1], K, C[0], C[1], C[2], C[4]), pid_m, pid_n
+
+
+@triton.jit
+def _storer(G, C, task, result):
+    acc, pid_m, pid_n = result
+    part_ptr, ctr_ptr, hc, M, N = G[2], G[5], G[6], G[7], G[8]
+    tiles_n = tl.cdiv(N, C[1])
+    part = tl.make_tensor_descriptor(part_ptr, [M, N], [N, 1], [C[0], C[1]])
+    part.store([pid_m * C[0], pid_n * C[1]], acc)
+    tile = pid_m * tiles_n + pid_n
+    pkl.signal(ctr_ptr + tile, hc, tile % pkl.world_size(hc))  # to the tile's owner
+
+
+@triton.jit
+def _communicator(G, C, task):
+    part_ptr, h_part, out_ptr, h_out, ctr_ptr, hc, M, N = G[2], G[3], G[10], G[11], G[5], G[6], G[7], G[8]
+    me = pkl.rank(hc)
+    world = pkl.world_size(hc)
+    tiles_n = tl.cdiv(N, C[1])
+    num_tiles = tl.cdiv(M, C[0]) * tiles_n
+    tile = me + task * world
+    pkl.wait(ctr_ptr + tile, world, hc)  # every rank's partial is in
+    tl.store(ctr_ptr + tile, 0)
+    rows = (tile // tiles_n) * C[0] + tl.arange(0, C[0])
+    for c0 in range(0, C[1], C[5]):  # column strips keep the communicator's registers small
+        cols = (tile % tiles_n) * C[1] + c0 + tl.arange(0, C[5])
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        offs = rows[:, None] * N + cols[None, :]
+        total = tl.zeros([C[0], C[5]], tl.float32)
+        for r in range(world):
+            total += pkl.load(part_ptr + offs, h_part, r, mask, 0)
+        result = total.to(out_ptr.dtype.element_ty)
+        for i in range(world):
+            pkl.store(out_ptr + offs, result, h_out, (me + i) % world, mask)
+    for i in range(world):
+        pkl.signal(ctr_ptr + num_tiles, hc, (me + i) % world)  # one more result tile on that rank
+
+
+@triton.jit
+def _mm_ar_kernel(a_ptr, b_ptr, part_ptr, h_part, out_ptr, h_out, ctr_ptr, hc, M, N, K, num_tasks, num_comm_tasks,
+                  NUM_COMM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  GROUP_M: tl.constexpr, STAGES: tl.constexpr, STRIP: tl.constexpr):
+    G = (a_ptr, b_ptr, part_ptr, h_part, 0, ctr_ptr, hc, M, N, K, out_ptr, h_out)
+    lcsc(G, (BM, BN, BK, GROUP_M, STAGES, STRIP), num_tasks, num_comm_tasks, NUM_COMM, None, _consumer, _storer,
+         _communicator)
+
+
+@triton.jit
+def _finish_kernel(ctr_ptr, hc, num_tiles):
+    pkl.wait(ctr_ptr + num_tiles, num_tiles, hc)
+    tl.store(ctr_ptr + num_tiles, 0)
+    pkl.barrier_all(ctr_ptr + num_tiles + 1, hc)
+
+
+_STATES: dict = {}
+
+
+def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
+                      config: MatmulConfig | None = None) -> torch.Tensor:
+    """sum over ranks of a @ b: `a` is (M, K/W), `b` (K/W, N); returns the full (M, N) sum on every rank.
+
+    Collective. bf16 or fp16, fp32 accumulation (partials are kept in fp32); K/W and N multiples of 8.
+    `num_comm_sms` communicator programs reduce (default: 1 per 8 SMs, at least 1).
+    """
+    op = "matmul_all_reduce"
+    check_operands(op, a, b)
+    ctx = context()
+    world = ctx.local_world_size
+    cfg = (config or default_config()).validate()
+    a, b = a.contiguous(), b.contiguous()
+    M, K = a.shape
+    N = b.shape[1]
+    sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
+    agree(op, sig)
+    if M == 0 or N == 0:
+        return torch.empty(M, N, dtype=a.dtype, device=a.device)
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    key = (M, N, a.dtype, cfg.block_m, cfg.block_n, id(ctx))
+    if key not in _STATES:
+        _STATES[key] = (empty((M, N), torch.float32, name=f"{op}.partials"), empty((M, N), a.dtype, name=f"{op}.out"),
+                        zeros(tiles + 2, torch.int32, name=f"{op}.counters"))
+    part, out, ctr = _STATES[key]
+    num_comm = num_comm_sms or max(1, num_sms() // 8)
+    if num_comm >= num_sms():
+        raise PKError(f"{op}: num_comm_sms={num_comm} leaves no compute SM ({num_sms()} SMs)")
+    owned = len(range(ctx.local_rank, tiles, world))
+    _mm_ar_kernel[grid(tiles, num_comm)](
+        a, b, part.local, part.handle, out.local, out.handle, ctr.local, ctr.handle, M, N, K, tiles, owned,
+        NUM_COMM=num_comm, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        STAGES=cfg.num_stages, STRIP=min(64, cfg.block_n), num_warps=cfg.num_warps)
+    _finish_kernel[(1,)](ctr.local, ctr.handle, tiles)
+    return out.local.clone()  # the buffer is rewritten by the next call
