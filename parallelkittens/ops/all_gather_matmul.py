@@ -50,7 +50,7 @@ def _consumer(G, C, task, loader):
     pid_m = (pid_m + (me * m_local) // C[0]) % tiles_m
     b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [C[2], C[1]])
     row0 = pid_m * C[0]
-    if (row0 >= me * m_local) & (row0 + C[0] <= (me + 1) * m_local):  # wholly mine: read the local shard
+    if (row0 >= me * m_local) & (tl.minimum(row0 + C[0], M) <= (me + 1) * m_local):  # wholly mine: local shard
         a_desc = tl.make_tensor_descriptor(a_ptr, [m_local, K], [K, 1], [C[0], C[2]])
         acc = mainloop(a_desc, b_desc, row0 - me * m_local, pid_n * C[1], K, C[0], C[1], C[2], C[4])
     else:

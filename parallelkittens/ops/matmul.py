@@ -2,8 +2,9 @@
 
 One program per SM walks output tiles in grouped order (GROUP_M row tiles share a column of B in L2); each tile
 runs the k-loop `mainloop` below, which the fused ops reuse inside their LCSC roles. Inputs (M, K) @ (K, N),
-row-major, bf16 or fp16, fp32 accumulation; M, N and K need not be multiples of the tiles (descriptors clip
-the edges), but rows must be 16-byte aligned for TMA: K and N multiples of 8.
+row-major, bf16, fp16 or fp32 (tf32 on the tensor cores), fp32 accumulation; M, N and K need not be multiples of
+the tiles (descriptors clip the edges), but rows must be 16-byte aligned for TMA (K and N multiples of 8 in
+16-bit types, of 4 in fp32).
 
 Reference point (digest §15.3, one H200): a plain persistent Triton GEMM with descriptors, 128x256x64 tiles,
 3 stages, 8 warps reached 701 TFLOP/s at 8192^3 bf16 against cuBLAS's 680; that is the default here.
@@ -21,7 +22,7 @@ from ..runtime.context import context
 from ..runtime.device import num_sms
 from ..runtime.errors import PKError
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32 runs as tf32 on the tensor cores
 
 
 @dataclass(frozen=True)
@@ -99,14 +100,15 @@ def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) 
         if t.device != device:
             raise PKError(f"{op}: {name} is on {t.device}, but this rank's device is {device}")
         if t.dtype not in DTYPES:
-            raise PKError(f"{op}: {name} has dtype {t.dtype}; use bfloat16 or float16")
+            raise PKError(f"{op}: {name} has dtype {t.dtype}; use bfloat16, float16 or float32")
     if a.dtype != b.dtype:
         raise PKError(f"{op}: a is {a.dtype} but b is {b.dtype}")
     if a.shape[k_dim_a] != b.shape[0]:
         raise PKError(f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
-    if a.shape[1] % 8 or b.shape[1] % 8:
+    per_16_bytes = 16 // a.element_size()
+    if a.shape[1] % per_16_bytes or b.shape[1] % per_16_bytes:
         raise PKError(f"{op}: rows must be 16-byte aligned for TMA: a's and b's column counts must be multiples "
-                      f"of 8 (a {tuple(a.shape)}, b {tuple(b.shape)})")
+                      f"of {per_16_bytes} for {a.dtype} (a {tuple(a.shape)}, b {tuple(b.shape)})")
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""The GEMM core and the three fused ops against float64 references: world sizes 1 to 4, ragged shapes,
+bf16 / fp16 / fp32, back-to-back calls; bad input on every rank."""
+
+import pytest
+import torch
+from conftest import worlds
+
+import parallelkittens as pk
+from parallelkittens.ops.all_gather_matmul import all_gather_matmul, reference_all_gather_matmul
+from parallelkittens.ops.matmul import matmul, reference_matmul
+from parallelkittens.ops.matmul_all_reduce import matmul_all_reduce, reference_matmul_all_reduce
+from parallelkittens.ops.matmul_reduce_scatter import matmul_reduce_scatter, reference_matmul_reduce_scatter
+from parallelkittens.testing import rank_data, relative_error, shared_seed
+
+# bf16/fp16 operands, fp32 accumulation: about one rounding of the output; fp32 runs as tf32 on a GPU
+BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-3}
+
+
+def _run(m: int, k: int, n: int) -> list[str]:
+    ctx = pk.context()
+    world, me = ctx.local_world_size, ctx.local_rank
+    seed, failures = shared_seed(), []
+
+    def check(what: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+        err = relative_error(out, ref)
+        if not err <= BOUND[dtype]:
+            failures.append(f"{what} {dtype}: relative error {err:.2e}")
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        a_parts = [rank_data((m, k), dtype, seed, r) for r in range(world)]
+        b_parts = [rank_data((k, n), dtype, seed, 100 + r) for r in range(world)]
+        check("matmul", matmul(a_parts[me], b_parts[0]), reference_matmul(a_parts[me], b_parts[0]), dtype)
+        for call in range(2):  # the second call reuses every buffer and counter
+            check(f"all_gather_matmul #{call}", all_gather_matmul(a_parts[me], b_parts[0]),
+                  reference_all_gather_matmul(a_parts, b_parts[0]), dtype)
+            check(f"matmul_all_reduce #{call}", matmul_all_reduce(a_parts[me], b_parts[me]),
+                  reference_matmul_all_reduce(a_parts, b_parts), dtype)
+            if m % world == 0:
+                check(f"matmul_reduce_scatter #{call}", matmul_reduce_scatter(a_parts[me], b_parts[me]),
+                      reference_matmul_reduce_scatter(a_parts, b_parts, me), dtype)
+    pk.sync()
+    return failures
+
+
+@pytest.mark.parametrize("world", worlds("1,2,3,4"))
+@pytest.mark.parametrize("m, k, n", [(48, 40, 72), (60, 24, 40)])
+def test_fused_gemms_match_float64(world, m, k, n):
+    if m % world and world == 4:
+        m = 64
+    for rank, failures in enumerate(pk.spawn(_run, world, m, k, n, timeout=900)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures)
+
+
+def _bad() -> list[str]:
+    ctx = pk.context()
+    dev = ctx.device
+    out = []
+    for fn, a, b in [
+        (all_gather_matmul, torch.ones(8, 16, device=dev, dtype=torch.bfloat16),
+         torch.ones(24, 16, device=dev, dtype=torch.bfloat16)),  # inner dims differ
+        (matmul_all_reduce, torch.ones(8, 16, device=dev, dtype=torch.bfloat16),
+         torch.ones(16, 16, device=dev, dtype=torch.float16)),  # dtypes differ
+        (matmul_reduce_scatter, torch.ones(8, 12, device=dev, dtype=torch.bfloat16),
+         torch.ones(12, 16, device=dev, dtype=torch.bfloat16)),  # rows not 16-byte aligned
+        (matmul_reduce_scatter, torch.ones(9, 16, device=dev, dtype=torch.bfloat16),
+         torch.ones(16, 16, device=dev, dtype=torch.bfloat16)),  # M does not divide by 2
+        (all_gather_matmul, torch.ones(8 + ctx.rank * 8, 16, device=dev, dtype=torch.bfloat16),
+         torch.ones(16, 16, device=dev, dtype=torch.bfloat16)),  # shapes differ between ranks
+    ]:
+        try:
+            fn(a, b)
+            pk.sync()
+            out.append("no error")
+        except pk.PKError as e:
+            out.append(str(e))
+    return out
+
+
+def test_bad_input_fails_on_every_rank():
+    for msgs in pk.spawn(_bad, 2):
+        assert "inner dimensions differ" in msgs[0]
+        assert "a is torch.bfloat16 but b is torch.float16" in msgs[1]
+        assert "must be multiples of 8" in msgs[2]
+        assert "do not divide by the world size 2" in msgs[3]
+        assert "ranks called it differently" in msgs[4]
