@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 from .collectives import bench_collective, plot
+from .fused import bench_fused
 from .matmul import bench_matmul
 from .runtime import bench_runtime
 
@@ -27,10 +28,19 @@ def _collective(name: str) -> Callable[[], dict]:
     return run
 
 
+def _fused(name: str) -> Callable[[], dict]:
+    def run() -> dict:
+        return bench_fused(name)
+
+    run.__doc__ = f"{name}: TFLOP/s per GPU over the paper's sweep, beside torch.matmul + torch.distributed"
+    return run
+
+
 BENCHMARKS: dict[str, Callable[[], dict]] = {
     "runtime": bench_runtime,
     "matmul": bench_matmul,
     **{name: _collective(name) for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")},
+    **{name: _fused(name) for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")},
 }
 
 
@@ -68,7 +78,7 @@ def run_benchmark(name: str, out_dir: str) -> int:
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     print(f"wrote {path}")
-    if name not in ("runtime", "matmul") and plot(name, record, path[:-5] + ".png"):
+    if name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") and plot(name, record, path[:-5] + ".png"):
         print(f"wrote {path[:-5]}.png")
     ok = all(row.get("pass", True) for row in record.get("rows", [])) and record.get("goal", {}).get("pass", True)
     return 0 if ok else 1
