@@ -2,7 +2,7 @@
 # The GPU run, in one call on the device machine: the test suite (2 and 4 ranks sharing the GPU, or one rank per
 # GPU where there are enough), the demo, and every benchmark. Logs go to $OUT (default ./gpu-out), benchmark JSON
 # and PNG to $OUT/results.tgz (and bench/results/ when run by hand); a short table is printed last.
-#   bash scripts/gpu_suite.sh [all|tests|bench] [pytest -k expression]
+#   [BENCH='all_reduce matmul'] bash scripts/gpu_suite.sh [all|tests|bench] [pytest -k expression]
 set -u
 WHAT=${1:-all}
 OUT=${OUT:-$PWD/gpu-out}
@@ -29,7 +29,8 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, remember th
   triton.__version__, "cuda", torch.version.cuda)'; } >"$OUT/machine.log" 2>&1
 cat "$OUT/machine.log"
 if [ "$WHAT" != tests ]; then
-  stage bench 300 bash -c 'for name in $($PY -m parallelkittens bench --list | cut -d" " -f1); do
+  export BENCH=${BENCH:-$($PY -m parallelkittens bench --list | cut -d" " -f1)}  # BENCH="a b" picks some
+  stage bench ${BENCH_TIMEOUT:-300} bash -c 'for name in $BENCH; do
     echo "== bench $name"; $PY -m parallelkittens bench "$name" --out "'"$OUT"'/results"; done'
   tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"  # few files may come back
 fi
