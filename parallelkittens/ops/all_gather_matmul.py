@@ -20,10 +20,12 @@ import triton.language as tl
 
 from .. import language as pkl
 from ..runtime.context import context
+from ..runtime.device import num_sms
 from ..runtime.errors import PKError
 from ..runtime.memory import empty, zeros
 from ..template import grid, lcsc
 from ._collective import agree, signature
+from ._tuning import tuned
 from .matmul import MatmulConfig, check_operands, default_config, mainloop, tile_coords
 
 
@@ -122,7 +124,8 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     """all_gather(a) @ b: `a` is this rank's (M/W, K) row shard, `b` (K, N); returns (M, N) on every rank.
 
     Collective. bf16 or fp16 with fp32 accumulation; K and N multiples of 8 (TMA rows), M/W anything.
-    `num_comm_sms` communicator programs push the shard (default: 1 per 16 SMs, at least 1 when W > 1).
+    `num_comm_sms` communicator programs push the shard; None picks the count by timing the candidates
+    (`ops._tuning`), the same on every rank.
     """
     op = "all_gather_matmul"
     check_operands(op, a, b)
@@ -133,21 +136,27 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     m_local, K = a.shape
     N = b.shape[1]
     M = world * m_local
+    if num_comm_sms is not None and not 1 <= num_comm_sms < num_sms():
+        raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
     sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
     agree(op, sig)
     key = (m_local, K, a.dtype, cfg.block_m, id(ctx))
     if key not in _STATES:
         _STATES[key] = _State(m_local, K, a.dtype, cfg.block_m)
     state = _STATES[key]
-    num_comm = 0 if world == 1 else (num_comm_sms or max(1, ctx_sms() // 16))
+    if world == 1:
+        num_comm = 0
+    elif num_comm_sms is None:
+        num_comm = tuned((op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
+                         lambda count: all_gather_matmul(a, b, num_comm_sms=count, config=cfg))
+    else:
+        num_comm = num_comm_sms
     my_chunks = (((ctx.local_rank + 1) * m_local - 1) // cfg.block_m) - (ctx.local_rank * m_local) // cfg.block_m + 1
     num_comm_tasks = my_chunks if world > 1 and m_local > 0 else 0
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    if num_comm and num_comm >= ctx_sms():
-        raise PKError(f"{op}: num_comm_sms={num_comm} leaves no compute SM ({ctx_sms()} SMs)")
     f = state.counters
     _ag_matmul_kernel[grid(tiles, num_comm)](
         a, state.a_full.local, b, c, f.local, f.handle, state.a_full.handle, m_local, M, N, K, tiles,
@@ -156,10 +165,3 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     if world > 1:
         _finish_kernel[(1,)](f.local, f.local[state.num_chunks:], f.handle, state.num_chunks, BLOCK=256)
     return c
-
-
-def ctx_sms() -> int:
-    """SMs (programs) a persistent kernel may use on this rank."""
-    from ..runtime.device import num_sms
-
-    return num_sms()

@@ -20,6 +20,7 @@ from ..runtime.errors import PKError
 from ..runtime.memory import empty, zeros
 from ..template import grid, lcsc
 from ._collective import agree, signature
+from ._tuning import tuned
 from .matmul import MatmulConfig, check_operands, default_config, mainloop, tile_coords
 
 
@@ -97,7 +98,8 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     """sum over ranks of a @ b: `a` is (M, K/W), `b` (K/W, N); returns the full (M, N) sum on every rank.
 
     Collective. bf16 or fp16, fp32 accumulation (partials are kept in fp32); K/W and N multiples of 8.
-    `num_comm_sms` communicator programs reduce (default: 1 per 8 SMs, at least 1).
+    `num_comm_sms` communicator programs reduce; None picks the count by timing the candidates
+    (`ops._tuning`), the same on every rank.
     """
     op = "matmul_all_reduce"
     check_operands(op, a, b)
@@ -107,6 +109,8 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     a, b = a.contiguous(), b.contiguous()
     M, K = a.shape
     N = b.shape[1]
+    if num_comm_sms is not None and not 1 <= num_comm_sms < num_sms():
+        raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
     sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
     agree(op, sig)
     if M == 0 or N == 0:
@@ -117,9 +121,9 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
         _STATES[key] = (empty((M, N), torch.float32, name=f"{op}.partials"), empty((M, N), a.dtype, name=f"{op}.out"),
                         zeros(tiles + 2, torch.int32, name=f"{op}.counters"))
     part, out, ctr = _STATES[key]
-    num_comm = num_comm_sms or max(1, num_sms() // 8)
-    if num_comm >= num_sms():
-        raise PKError(f"{op}: num_comm_sms={num_comm} leaves no compute SM ({num_sms()} SMs)")
+    num_comm = num_comm_sms if num_comm_sms is not None else tuned(
+        (op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
+        lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))
     owned = len(range(ctx.local_rank, tiles, world))
     _mm_ar_kernel[grid(tiles, num_comm)](
         a, b, part.local, part.handle, out.local, out.handle, ctr.local, ctr.handle, M, N, K, tiles, owned,

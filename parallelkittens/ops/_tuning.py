@@ -1,0 +1,51 @@
+"""Choosing `num_comm_sms` by measurement, the same on every rank.
+
+Every rank times every candidate in the same order (each call is collective), the times are reduced to their
+maximum over ranks, and the fastest candidate wins: the reduced list is identical everywhere, so every rank
+picks the same count without another message. Choices are cached per op and shape for the process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.context import context
+from ..runtime.device import num_sms
+
+_CHOSEN: dict = {}
+
+
+def candidates() -> list[int]:
+    """Communicator counts worth trying on this device: powers of two below a quarter of its SMs."""
+    limit = max(2, num_sms() // 4)
+    return [c for c in (1, 2, 4, 8, 16, 32) if c < limit] or [1]
+
+
+def tuned(key: tuple, run: Callable[[int], object], reps: int = 3) -> int:
+    """The fastest `num_comm_sms` for `run(num_comm_sms)` (a collective call), agreed by all ranks."""
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    ctx = context()
+    options = candidates()
+    if len(options) == 1:
+        _CHOSEN[key] = options[0]
+        return options[0]
+    times = []
+    for count in options:
+        run(count)  # compiles, allocates
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            run(count)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.cpu_group)
+    _CHOSEN[key] = options[int(torch.argmin(slowest))]
+    return _CHOSEN[key]
