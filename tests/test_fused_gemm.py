@@ -83,3 +83,22 @@ def test_bad_input_fails_on_every_rank():
         assert "must be multiples of 8" in msgs[2]
         assert "do not divide by the world size 2" in msgs[3]
         assert "ranks called it differently" in msgs[4]
+
+
+def _compiled() -> list[float]:
+    ctx = pk.context()
+    seed = shared_seed()
+    a = rank_data((32, 16), torch.float16, seed, ctx.rank)
+    b = rank_data((16, 24), torch.float16, seed, 7)
+    errors = []
+    for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
+        fn = getattr(torch.ops.parallelkittens, op)
+        compiled = torch.compile(lambda x, y, fn=fn: fn(x, y) * 2, backend="aot_eager", fullgraph=True)
+        errors.append(relative_error(compiled(a, b), 2 * fn(a, b).double()))
+    pk.sync()
+    return errors
+
+
+def test_custom_ops_compile_with_torch_compile():
+    for errors in pk.spawn(_compiled, 2):
+        assert all(e < 1e-3 for e in errors), errors

@@ -165,3 +165,14 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     if world > 1:
         _finish_kernel[(1,)](f.local, f.local[state.num_chunks:], f.handle, state.num_chunks, BLOCK=256)
     return c
+
+
+@torch.library.custom_op("parallelkittens::all_gather_matmul", mutates_args=())
+def _all_gather_matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`all_gather_matmul` as a torch custom op (default configuration), for code compiled with torch.compile."""
+    return all_gather_matmul(a, b)
+
+
+@_all_gather_matmul_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0] * context().local_world_size, b.shape[1])

@@ -131,3 +131,14 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
         STAGES=cfg.num_stages, STRIP=min(64, cfg.block_n), num_warps=cfg.num_warps)
     _finish_kernel[(1,)](ctr.local, ctr.handle, tiles)
     return out.local.clone()  # the buffer is rewritten by the next call
+
+
+@torch.library.custom_op("parallelkittens::matmul_all_reduce", mutates_args=())
+def _matmul_all_reduce_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`matmul_all_reduce` as a torch custom op (default configuration), for code compiled with torch.compile."""
+    return matmul_all_reduce(a, b)
+
+
+@_matmul_all_reduce_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[1])

@@ -115,3 +115,14 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     acc.local.zero_()
     barrier()  # nobody adds into an accumulator before its owner has read and zeroed it
     return out
+
+
+@torch.library.custom_op("parallelkittens::matmul_reduce_scatter", mutates_args=())
+def _matmul_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`matmul_reduce_scatter` as a torch custom op (default configuration), for code compiled with torch.compile."""
+    return matmul_reduce_scatter(a, b)
+
+
+@_matmul_reduce_scatter_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0] // context().local_world_size, b.shape[1])
