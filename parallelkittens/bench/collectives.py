@@ -13,6 +13,7 @@ needs a permute and copy before and after, which its time includes.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -26,7 +27,7 @@ def _timeit(fn, nbytes: int) -> float:
     """Milliseconds per call: same iteration count on every rank, barrier first, events around the loop."""
     import parallelkittens as pk
 
-    iters = max(5, min(200, (1 << 31) // max(nbytes, 1)))
+    iters = max(3, min(int(os.environ.get("PK_BENCH_MAX_ITERS", "200")), (1 << 31) // max(nbytes, 1)))
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
