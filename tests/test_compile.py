@@ -48,3 +48,10 @@ def test_tensor_descriptors_use_tma(hot):
 
 def test_store_add_is_a_system_scope_atomic(hot):
     assert "relaxed_sys_add" in hot["store_add"]
+
+
+@pytest.mark.parametrize("kernel", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+def test_fused_gemms_use_wgmma_and_tma(hot, kernel):
+    assert "wgmma" in hot[kernel] and "tma_store" in hot[kernel] and "release_sys_atomic" in hot[kernel]
+    if kernel == "matmul_reduce_scatter":
+        assert "tma_reduce" in hot[kernel]

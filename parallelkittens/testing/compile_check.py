@@ -28,11 +28,11 @@ MARKERS = {
 
 
 def _kernels():
-    from ..ops import all_gather_matmul as agm
-    from ..ops import matmul_all_reduce as mar
-    from ..ops import matmul_reduce_scatter as mrs
     from ..ops._collective import _pull_kernel
+    from ..ops.all_gather_matmul import _ag_matmul_kernel
     from ..ops.barrier import _barrier_kernel
+    from ..ops.matmul_all_reduce import _mm_ar_kernel
+    from ..ops.matmul_reduce_scatter import _mm_rs_kernel
     from ..template import example
     from . import primitive_checks as pc
 
@@ -59,16 +59,16 @@ def _kernels():
             "sig": "i64", "limit": "i64", **{k: "i32" for k in ("R0", "R1", "R2", "C", "ss0", "ss1", "ss2", "ds0",
                                                                "ds1", "ds2", "src_me", "src_r", "dst_me", "dst_r")},
             "REDUCE": "constexpr", "BR": "constexpr", "BC": "constexpr"}, {"REDUCE": True, "BR": 4, "BC": 1024}),
-        "all_gather_matmul": (agm._ag_matmul_kernel, {
+        "all_gather_matmul": (_ag_matmul_kernel, {
             "a_ptr": "*bf16", "a_full_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": "*i32",
             "hf": i64, "h": i64, **{k: "i32" for k in ("m_local", "M", "N", "K", "num_tasks", "num_comm_tasks")},
             **{k: "constexpr" for k in GEMM}, "NUM_COMM": "constexpr", "BK_COPY": "constexpr"},
             {**GEMM, "NUM_COMM": 8, "BK_COPY": 64}),
-        "matmul_reduce_scatter": (mrs._mm_rs_kernel, {
+        "matmul_reduce_scatter": (_mm_rs_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*fp32", "h": i64, "hc": i64, "ctr_ptr": "*i32",
             **{k: "i32" for k in ("M", "N", "K", "num_tasks", "m_block")}, **{k: "constexpr" for k in GEMM},
             "ALIGNED": "constexpr"}, {**GEMM, "ALIGNED": True}),
-        "matmul_all_reduce": (mar._mm_ar_kernel, {
+        "matmul_all_reduce": (_mm_ar_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*fp32", "h_part": i64, "out_ptr": "*bf16", "h_out": i64,
             "ctr_ptr": "*i32", "hc": i64, **{k: "i32" for k in ("M", "N", "K", "num_tasks", "num_comm_tasks")},
             **{k: "constexpr" for k in GEMM}, "NUM_COMM": "constexpr", "STRIP": "constexpr"},
