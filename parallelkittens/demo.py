@@ -84,20 +84,52 @@ def check_all_to_all_op() -> CheckResult:
                              lambda x: all_to_all(x, 2, 1), lambda xs, r: reference_all_to_all(xs, r, 2, 1), True)
 
 
+def _gemm_check(name: str, run, reference) -> CheckResult:
+    ctx = context()
+    seed = shared_seed()
+    m, k, n, dtype = 64, 48, 80, torch.bfloat16
+    a_parts = [rank_data((m, k), dtype, seed, r) for r in range(ctx.local_world_size)]
+    b_parts = [rank_data((k, n), dtype, seed, 100 + r) for r in range(ctx.local_world_size)]
+    run(a_parts, b_parts, ctx.local_rank)  # warm-up: compiles, allocates, tunes
+    with Timer() as t:
+        out = run(a_parts, b_parts, ctx.local_rank)
+    err = relative_error(out, reference(a_parts, b_parts, ctx.local_rank))
+    return CheckResult(name, "x".join(map(str, out.shape)), err, err <= 1e-2, t.ms)
+
+
+def check_matmul_ops() -> list[CheckResult]:
+    """The GEMM core and the three fused GEMMs, bf16."""
+    from .ops import all_gather_matmul, matmul, matmul_all_reduce, matmul_reduce_scatter
+    from .ops.all_gather_matmul import reference_all_gather_matmul
+    from .ops.matmul_all_reduce import reference_matmul_all_reduce
+    from .ops.matmul_reduce_scatter import reference_matmul_reduce_scatter
+
+    return [
+        _gemm_check("ops.matmul", lambda a, b, r: matmul(a[r], b[0]), lambda a, b, r: a[r].double() @ b[0].double()),
+        _gemm_check("ops.all_gather_matmul", lambda a, b, r: all_gather_matmul(a[r], b[0]),
+                    lambda a, b, r: reference_all_gather_matmul(a, b[0])),
+        _gemm_check("ops.matmul_reduce_scatter", lambda a, b, r: matmul_reduce_scatter(a[r], b[r]),
+                    reference_matmul_reduce_scatter),
+        _gemm_check("ops.matmul_all_reduce", lambda a, b, r: matmul_all_reduce(a[r], b[r]),
+                    lambda a, b, r: reference_matmul_all_reduce(a, b)),
+    ]
+
+
 CASES = {**CHECKS, "lcsc_example": check_lcsc_example, "ops.all_reduce": check_all_reduce_op,
          "ops.all_gather": check_all_gather_op, "ops.reduce_scatter": check_reduce_scatter_op,
-         "ops.all_to_all": check_all_to_all_op}
+         "ops.all_to_all": check_all_to_all_op, "ops.matmul*": check_matmul_ops}
 
 
 def _rank(names: list[str]) -> list[dict]:
     ctx = context()
     rows = []
     for i, name in enumerate(names, 1):
-        row = CASES[name]()
-        rows.append(dataclasses.asdict(row))
-        if ctx.rank == 0:
-            print(f"[{i}/{len(names)}] {row.op:<24} {'ok' if row.ok else 'FAIL'}  {row.time_ms:8.1f} ms",
-                  file=sys.stderr, flush=True)
+        got = CASES[name]()
+        for row in got if isinstance(got, list) else [got]:
+            rows.append(dataclasses.asdict(row))
+            if ctx.rank == 0:
+                print(f"[{i}/{len(names)}] {row.op:<26} {'ok' if row.ok else 'FAIL'}  {row.time_ms:8.1f} ms",
+                      file=sys.stderr, flush=True)
     return rows
 
 
@@ -106,20 +138,21 @@ def run(ranks: int = 4, backend: str | None = None) -> int:
     backend = choose_backend(ranks, backend)
     os.environ["PK_DEBUG"] = "1"  # every wait bounded: a protocol bug shows as an error, not a hang
     names = list(CASES)
-    print(f"parallelkittens demo: {len(names)} checks on {ranks} ranks, backend {backend}", file=sys.stderr)
+    print(f"parallelkittens demo: {len(names)} groups of checks on {ranks} ranks, backend {backend}",
+          file=sys.stderr)
     start = time.perf_counter()
     per_rank = spawn(_rank, ranks, names, backend=backend)
-    print(f"{'op':<24} {'backend':<12} {'ranks':>5} {'shape':>10} {'max error':>10} {'pass':>5} {'time ms':>9}")
+    print(f"{'op':<26} {'backend':<12} {'ranks':>5} {'shape':>10} {'max error':>10} {'pass':>5} {'time ms':>9}")
     failed = 0
-    for i, _ in enumerate(names):
+    for i in range(len(per_rank[0])):
         rows = [r[i] for r in per_rank]
         ok = all(r["ok"] for r in rows)
         failed += not ok
-        print(f"{rows[0]['op']:<24} {backend:<12} {ranks:>5} {rows[0]['shape']:>10} "
+        print(f"{rows[0]['op']:<26} {backend:<12} {ranks:>5} {rows[0]['shape']:>10} "
               f"{max(r['error'] for r in rows):>10.2e} {'yes' if ok else 'NO':>5} "
               f"{max(r['time_ms'] for r in rows):>9.1f}")
         for rank, r in enumerate(rows):
             if not r["ok"]:
                 print(f"    rank {rank}: {r['detail']}")
-    print(f"{len(names) - failed} passed, {failed} failed in {time.perf_counter() - start:.1f} s")
+    print(f"{len(per_rank[0]) - failed} passed, {failed} failed in {time.perf_counter() - start:.1f} s")
     return 1 if failed else 0
