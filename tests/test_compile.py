@@ -31,7 +31,7 @@ def debug():
 
 @pytest.mark.parametrize("kernel", SIGNALLING)
 def test_signals_order_memory_at_system_scope(hot, kernel):
-    for marker in ("release_sys_atomic", "acquire_sys_load", "fence_sys", "bulk_wait"):
+    for marker in ("release_sys_atomic", "acquire_sys_load", "fence_sys", "bulk_wait", "proxy_fence"):
         assert marker in hot[kernel], f"{kernel}: no {marker} in PTX ({hot[kernel]})"
 
 

@@ -47,12 +47,17 @@ def _bulk_copies_exist() -> bool:
 _LOAD_ACQUIRE = "ld.global.acquire.sys.b32 $0, [$1];"
 _NOW_NS = "mov.u64 $0, %globaltimer;"
 _FENCE = "fence.acq_rel.sys;\n\tmov.u32 $0, 0;"
-_BULK_WAIT_FENCE = "cp.async.bulk.wait_group 0;\n\tfence.acq_rel.sys;\n\tmov.u32 $0, 0;"
+# Hopper's bulk copies (TMA) run in the async proxy: a signal first waits for them to complete and orders them
+# with generic accesses; after a wait, the proxy fence lets TMA loads see what generic stores published.
+_BULK_WAIT_FENCE = "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tfence.acq_rel.sys;\n\tmov.u32 $0, 0;"
+_NOTHING = "mov.u32 $0, 0;"
+_PROXY_FENCE = "fence.proxy.async.global;\n\tmov.u32 $0, 0;"
 RELEASE_FENCE = tl.constexpr(_BULK_WAIT_FENCE if _bulk_copies_exist() else _FENCE)
+ACQUIRE_PROXY_FENCE = tl.constexpr(_PROXY_FENCE if _bulk_copies_exist() else _NOTHING)
 
 interpreter.register_asm(_LOAD_ACQUIRE, lambda ptrs: interpreter.read_memory(ptrs, np.int32))
 interpreter.register_asm(_NOW_NS, lambda: np.array(time.monotonic_ns(), dtype=np.int64))
-for _asm in (_FENCE, _BULK_WAIT_FENCE):  # the CPU is coherent and the interpreter runs stores in order
+for _asm in (_FENCE, _BULK_WAIT_FENCE, _NOTHING, _PROXY_FENCE):  # the CPU is coherent; the interpreter in order
     interpreter.register_asm(_asm, lambda: np.array(0, dtype=np.int32))
 
 
@@ -75,8 +80,8 @@ def _release_fence():
 
 @triton.jit
 def _reached(seen, value, AT_LEAST: tl.constexpr):
-    if AT_LEAST:
-        return seen >= value
+    if AT_LEAST:  # compared as a difference, so that counters may wrap around 2^31
+        return (seen - value) >= 0
     else:
         return seen == value
 
@@ -105,6 +110,7 @@ def _wait(ptr, value, h, AT_LEAST: tl.constexpr):
     else:
         while not _reached(seen, value, AT_LEAST):
             seen = _load_acquire(ptr)
+    tl.inline_asm_elementwise(ACQUIRE_PROXY_FENCE, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

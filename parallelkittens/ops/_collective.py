@@ -59,7 +59,7 @@ def _pull_kernel(src_ptr, h, out_ptr, ctr_ptr, hc, meta_ptr, hm, sig, limit,
                  REDUCE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     p = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    me = pkl.rank(h)
+    me = pkl.rank(h).to(tl.int64)
     world = pkl.world_size(h)
     epoch = tl.load(ctr_ptr) + 1
     slot = meta_ptr + (epoch % 2) * world  # two sets of slots: a peer may already be one call ahead
@@ -78,7 +78,7 @@ def _pull_kernel(src_ptr, h, out_ptr, ctr_ptr, hc, meta_ptr, hm, sig, limit,
         rows = R0 * R1 * R2
         tiles_c = tl.cdiv(C, BC)
         for t in range(p, tl.cdiv(rows, BR) * tiles_c, num_programs):
-            row = (t // tiles_c) * BR + tl.arange(0, BR)
+            row = (t // tiles_c) * BR + tl.arange(0, BR).to(tl.int64)  # int64: offsets may pass 2^31
             col = (t % tiles_c) * BC + tl.arange(0, BC)
             i2 = row % R2
             i1 = (row // R2) % R1
@@ -89,12 +89,12 @@ def _pull_kernel(src_ptr, h, out_ptr, ctr_ptr, hc, meta_ptr, hm, sig, limit,
             if REDUCE:  # every rank sums in rank order, so every rank gets the same bits
                 acc = tl.zeros([BR, BC], tl.float32)
                 for r in range(world):
-                    m = mask & (src_off + src_r * r < limit)
+                    m = mask & (src_off + src_r * r.to(tl.int64) < limit)
                     acc += pkl.load(src_ptr + src_off + src_r * r, h, r, m, 0).to(tl.float32)
                 tl.store(out_ptr + dst_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
             else:
                 for i in range(world):
-                    r = (me + i) % world  # start at different peers so ranks do not all read one link
+                    r = (me + i) % world  # start at different peers so ranks do not all read one link (int64)
                     m = mask & (src_off + src_r * r < limit)
                     tl.store(out_ptr + dst_off + dst_r * r, pkl.load(src_ptr + src_off + src_r * r, h, r, m), mask=m)
     done = ctr_ptr + 2 + num_programs + p
@@ -201,16 +201,12 @@ class Workspace:
             copy.dst_me, copy.dst_r, REDUCE=copy.reduce, BR=br, BC=bc, num_warps=4)
 
 
-_WORKSPACES: dict[str, Workspace] = {}
-
-
 def workspace(name: str) -> Workspace:
-    """The op's workspace, made on first use (collective, like the op itself)."""
-    ctx = context()
-    key = f"{name}@{id(ctx)}"
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = Workspace(name)
-    return _WORKSPACES[key]
+    """The op's workspace, made on first use (collective, like the op itself); it lives in the context."""
+    cache = context().cache
+    if ("workspace", name) not in cache:
+        cache[("workspace", name)] = Workspace(name)
+    return cache[("workspace", name)]
 
 
 def check_input(op: str, x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:

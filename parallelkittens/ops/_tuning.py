@@ -2,7 +2,7 @@
 
 Every rank times every candidate in the same order (each call is collective), the times are reduced to their
 maximum over ranks, and the fastest candidate wins: the reduced list is identical everywhere, so every rank
-picks the same count without another message. Choices are cached per op and shape for the process.
+picks the same count without another message. Choices are cached per op and shape in the context.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import torch.distributed as dist
 from ..runtime.context import context
 from ..runtime.device import num_sms
 
-_CHOSEN: dict = {}
-
 
 def candidates() -> list[int]:
     """Communicator counts worth trying on this device: powers of two below a quarter of its SMs."""
@@ -27,12 +25,13 @@ def candidates() -> list[int]:
 
 def tuned(key: tuple, run: Callable[[int], object], reps: int = 3) -> int:
     """The fastest `num_comm_sms` for `run(num_comm_sms)` (a collective call), agreed by all ranks."""
-    if key in _CHOSEN:
-        return _CHOSEN[key]
     ctx = context()
+    key = ("num_comm_sms",) + key
+    if key in ctx.cache:
+        return ctx.cache[key]
     options = candidates()
     if len(options) == 1:
-        _CHOSEN[key] = options[0]
+        ctx.cache[key] = options[0]
         return options[0]
     times = []
     for count in options:
@@ -46,6 +45,6 @@ def tuned(key: tuple, run: Callable[[int], object], reps: int = 3) -> int:
             torch.cuda.synchronize(ctx.device)
         times.append(time.perf_counter() - start)
     slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.cpu_group)
-    _CHOSEN[key] = options[int(torch.argmin(slowest))]
-    return _CHOSEN[key]
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.node_group)  # the op's ranks
+    ctx.cache[key] = options[int(torch.argmin(slowest))]
+    return ctx.cache[key]

@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..runtime.context import context
+from ..runtime.memory import owner_of
 from ._collective import MOVE_DTYPES, Copy, agree, check_input, collapse, normalize_dim, signature, workspace
 
 
@@ -31,7 +32,7 @@ def all_gather(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     check_input(op, x, MOVE_DTYPES)
     dim = normalize_dim(op, dim, max(x.dim(), 1))
     world = context().local_world_size
-    sig = signature(op, tuple(x.shape), str(x.dtype), f"dim={dim}")
+    sig = signature(op, tuple(x.shape), str(x.dtype), f"dim={dim}", f"zero_copy={owner_of(x) is not None}")
     agree(op, sig)
     shape = list(x.shape) or [1]
     out = torch.empty(shape[:dim] + [shape[dim] * world] + shape[dim + 1:], dtype=x.dtype, device=x.device)

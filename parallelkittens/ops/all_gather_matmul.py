@@ -76,7 +76,7 @@ def _communicator(G, C, task):
     a_ptr, a_full_ptr, flags_ptr, hf, h, m_local, K = G[0], G[1], G[4], G[5], G[6], G[7], G[10]
     me = pkl.rank(h)
     chunk = (me * m_local) // C[0] + task
-    rows = chunk * C[0] + tl.arange(0, C[0])
+    rows = chunk * C[0] + tl.arange(0, C[0]).to(tl.int64)  # int64: rows * K may pass 2^31
     mine = (rows >= me * m_local) & (rows < (me + 1) * m_local)
     for k0 in range(0, K, C[5]):
         cols = k0 + tl.arange(0, C[5])
@@ -116,8 +116,6 @@ class _State:
         self.counters = zeros(self.num_chunks + 1, torch.int32, name="all_gather_matmul.flags")
 
 
-_STATES: dict = {}
-
 
 def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
                       config: MatmulConfig | None = None) -> torch.Tensor:
@@ -140,10 +138,10 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
         raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
     sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
     agree(op, sig)
-    key = (m_local, K, a.dtype, cfg.block_m, id(ctx))
-    if key not in _STATES:
-        _STATES[key] = _State(m_local, K, a.dtype, cfg.block_m)
-    state = _STATES[key]
+    key = (op, m_local, K, a.dtype, cfg.block_m)
+    if key not in ctx.cache:
+        ctx.cache[key] = _State(m_local, K, a.dtype, cfg.block_m)
+    state = ctx.cache[key]
     if world == 1:
         num_comm = 0
     elif num_comm_sms is None:

@@ -19,7 +19,7 @@ import torch
 
 from ..runtime.context import context
 from ..runtime.errors import PKError
-from ..runtime.memory import ParallelTensor
+from ..runtime.memory import ParallelTensor, owner_of
 from ._collective import FLOAT_DTYPES, Copy, agree, check_input, signature, workspace
 
 ALIGN = 16  # two-shot slices start on 16-element boundaries, so loads stay 16 bytes wide
@@ -55,7 +55,7 @@ def all_reduce(x: torch.Tensor | ParallelTensor, op: str = "sum") -> torch.Tenso
     world = context().local_world_size
     n = local.numel()
     algo = algorithm(n * local.element_size(), world)
-    sig = signature(name, tuple(local.shape), str(local.dtype), algo)
+    sig = signature(name, tuple(local.shape), str(local.dtype), algo, f"zero_copy={owner_of(local) is not None}")
     agree(name, sig)
     if n == 0:
         return local if in_place else torch.empty_like(local)

@@ -12,6 +12,7 @@ import torch
 
 from ..runtime.context import context
 from ..runtime.errors import PKError
+from ..runtime.memory import owner_of
 from ._collective import MOVE_DTYPES, Copy, agree, check_input, collapse, normalize_dim, signature, workspace
 
 
@@ -43,7 +44,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tens
     world = context().local_world_size
     if x.shape[sd] % world:
         raise PKError(f"{op}: size {x.shape[sd]} of scatter_dim {sd} does not divide by the world size {world}")
-    sig = signature(op, tuple(x.shape), str(x.dtype), f"scatter_dim={sd}", f"gather_dim={gd}")
+    sig = signature(op, tuple(x.shape), str(x.dtype), f"scatter_dim={sd}", f"gather_dim={gd}",
+                    f"zero_copy={owner_of(x) is not None}")
     agree(op, sig)
     chunk = list(x.shape)
     chunk[sd] //= world

@@ -101,6 +101,8 @@ def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) 
             raise PKError(f"{op}: {name} is on {t.device}, but this rank's device is {device}")
         if t.dtype not in DTYPES:
             raise PKError(f"{op}: {name} has dtype {t.dtype}; use bfloat16, float16 or float32")
+        if t.data_ptr() % 16:
+            raise PKError(f"{op}: {name} must start on a 16-byte boundary for TMA (a view with an odd offset?)")
     if a.dtype != b.dtype:
         raise PKError(f"{op}: a is {a.dtype} but b is {b.dtype}")
     if a.shape[k_dim_a] != b.shape[0]:

@@ -59,7 +59,7 @@ def _communicator(G, C, task):
     tile = me + task * world
     pkl.wait(ctr_ptr + tile, world, hc)  # every rank's partial is in
     tl.store(ctr_ptr + tile, 0)
-    rows = (tile // tiles_n) * C[0] + tl.arange(0, C[0])
+    rows = (tile // tiles_n) * C[0] + tl.arange(0, C[0]).to(tl.int64)  # int64: rows * N may pass 2^31
     for c0 in range(0, C[1], C[5]):  # column strips keep the communicator's registers small
         cols = (tile % tiles_n) * C[1] + c0 + tl.arange(0, C[5])
         mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -90,8 +90,6 @@ def _finish_kernel(ctr_ptr, hc, num_tiles):
     pkl.barrier_all(ctr_ptr + num_tiles + 1, hc)
 
 
-_STATES: dict = {}
-
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
                       config: MatmulConfig | None = None) -> torch.Tensor:
@@ -116,11 +114,11 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     if M == 0 or N == 0:
         return torch.empty(M, N, dtype=a.dtype, device=a.device)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    key = (M, N, a.dtype, cfg.block_m, cfg.block_n, id(ctx))
-    if key not in _STATES:
-        _STATES[key] = (empty((M, N), torch.float32, name=f"{op}.partials"), empty((M, N), a.dtype, name=f"{op}.out"),
+    key = (op, M, N, a.dtype, cfg.block_m, cfg.block_n)
+    if key not in ctx.cache:
+        ctx.cache[key] = (empty((M, N), torch.float32, name=f"{op}.partials"), empty((M, N), a.dtype, name=f"{op}.out"),
                         zeros(tiles + 2, torch.int32, name=f"{op}.counters"))
-    part, out, ctr = _STATES[key]
+    part, out, ctr = ctx.cache[key]
     num_comm = num_comm_sms if num_comm_sms is not None else tuned(
         (op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
         lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))

@@ -52,7 +52,7 @@ def _storer(G, C, task, result):
         dst = pkl.peer_descriptor(acc_ptr, h, owner, [m_block, N], [N, 1], [C[0], C[1]])
         dst.atomic_add([row0 - owner * m_block, pid_n * C[1]], acc)
     else:
-        rows = row0 + tl.arange(0, C[0])
+        rows = row0 + tl.arange(0, C[0]).to(tl.int64)
         cols = pid_n * C[1] + tl.arange(0, C[1])
         for owner in range(row0 // m_block, tl.minimum((row0 + C[0] - 1) // m_block + 1, pkl.world_size(h))):
             mask = ((rows >= owner * m_block) & (rows < (owner + 1) * m_block))[:, None] & (cols < N)[None, :]
@@ -75,8 +75,6 @@ def _wait_kernel(ctr_ptr, hc, expected):
     pkl.wait(ctr_ptr, expected, hc)
     tl.store(ctr_ptr, 0)
 
-
-_STATES: dict = {}
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None) -> torch.Tensor:
@@ -101,10 +99,11 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     out = torch.empty(m_block, N, dtype=a.dtype, device=a.device)
     if out.numel() == 0:
         return out
-    key = (m_block, N, id(ctx))
-    if key not in _STATES:
-        _STATES[key] = (zeros((m_block, N), torch.float32, name=f"{op}.acc"), zeros(1, torch.int32, name=f"{op}.done"))
-    acc, done = _STATES[key]
+    key = (op, m_block, N)
+    if key not in ctx.cache:
+        ctx.cache[key] = (zeros((m_block, N), torch.float32, name=f"{op}.acc"),
+                          zeros(1, torch.int32, name=f"{op}.done"))
+    acc, done = ctx.cache[key]
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     g = grid(tiles, 0)
     _mm_rs_kernel[g](a, b, acc.local, acc.handle, done.handle, done.local, M, N, K, tiles, m_block,

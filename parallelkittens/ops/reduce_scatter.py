@@ -13,6 +13,7 @@ import torch
 
 from ..runtime.context import context
 from ..runtime.errors import PKError
+from ..runtime.memory import owner_of
 from ._collective import FLOAT_DTYPES, Copy, agree, check_input, collapse, normalize_dim, signature, workspace
 
 
@@ -37,7 +38,7 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op: str = "sum") -> torch.Tens
     world = context().local_world_size
     if x.shape[dim] % world:
         raise PKError(f"{name}: size {x.shape[dim]} of dim {dim} does not divide by the world size {world}")
-    sig = signature(name, tuple(x.shape), str(x.dtype), f"dim={dim}")
+    sig = signature(name, tuple(x.shape), str(x.dtype), f"dim={dim}", f"zero_copy={owner_of(x) is not None}")
     agree(name, sig)
     shape = list(x.shape)
     shape[dim] //= world

@@ -59,6 +59,8 @@ class Context:
     job_id: str
     debug_record: torch.Tensor = field(repr=False)
     _barrier: object = field(default=None, repr=False)
+    # What ops keep between calls (workspaces, symmetric buffers): it dies with the context.
+    cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def node_rank(self) -> int:
@@ -299,6 +301,7 @@ def finalize() -> None:
         return
     from .memory import _free_all
 
+    _CTX.cache.clear()
     _free_all()
     _CTX = None
     if dist.is_initialized():

@@ -192,9 +192,13 @@ def _allocate_cpu(ctx: _context.Context, seq: int, shape, dtype, name: str) -> P
     path = os.path.join(_SHM_DIR, f"{shm_prefix(ctx.job_id)}{ctx.rank}-{seq}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
-    finally:
+        # reserve the pages now: a full /dev/shm then fails here with an error, not later with SIGBUS
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
         os.close(fd)
+        os.unlink(path)
+        raise PKError(f"rank {ctx.rank}: cannot allocate {nbytes} bytes of shared memory in {_SHM_DIR}: {e}") from None
+    os.close(fd)
     try:
         paths: list = [None] * ctx.local_world_size
         dist.all_gather_object(paths, path, group=ctx.node_group)

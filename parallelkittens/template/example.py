@@ -106,6 +106,8 @@ class ScaledAllGather:
         self.block = block
         self.world = ctx.local_world_size
         self.num_tasks = triton.cdiv(self.M, block[0]) * triton.cdiv(self.N, block[1])
+        if self.world > 1 and num_comm_programs < 1:
+            raise PKError(f"ScaledAllGather needs at least one communicator program with {self.world} ranks")
         self.num_comm = num_comm_programs if self.world > 1 else 0
         self.out: ParallelTensor = empty((self.world * self.M, self.N), dtype, name="scaled_all_gather.out")
         # counters: [0, tasks) per-tile ready flags, then the arrival counter, then the barrier

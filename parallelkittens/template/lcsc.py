@@ -1,6 +1,6 @@
 """The LCSC template (load, compute, store, communicate): one persistent kernel, two kinds of program.
 
-The last `NUM_COMM_PROGRAMS` programs of the grid are communicators; the others are compute workers. A compute
+The first `NUM_COMM_PROGRAMS` programs of the grid are communicators; the others are compute workers. A compute
 worker takes tasks ``pid, pid + P, pid + 2P, ...`` (P compute programs) and for each runs
 ``acc = consumer(G, C, task, loader)`` then ``storer(G, C, task, acc)``; the consumer calls
 ``loader(G, C, task, k)`` for each step of its main loop. The loader is where a worker reads peer memory or
@@ -31,13 +31,16 @@ def lcsc(G, C, num_tasks, num_comm_tasks, NUM_COMM_PROGRAMS: tl.constexpr, loade
     """Run the op's roles over `num_tasks` compute tasks and `num_comm_tasks` communication tasks."""
     pid = tl.program_id(0)
     num_compute = tl.num_programs(0) - NUM_COMM_PROGRAMS
-    if pid < num_compute:
-        for task in range(pid, num_tasks, num_compute):
+    # Communicators take the lowest program ids: the hardware starts programs in id order, so when some SMs
+    # are busy (another stream, NCCL) the programs left waiting are compute workers, never the communicators
+    # the workers wait for.
+    if pid >= NUM_COMM_PROGRAMS:
+        for task in range(pid - NUM_COMM_PROGRAMS, num_tasks, num_compute):
             acc = consumer(G, C, task, loader)
             storer(G, C, task, acc)
     else:
         if NUM_COMM_PROGRAMS > 0:
-            for task in range(pid - num_compute, num_comm_tasks, NUM_COMM_PROGRAMS):
+            for task in range(pid, num_comm_tasks, NUM_COMM_PROGRAMS):
                 communicator(G, C, task)
 
 

@@ -20,6 +20,7 @@ MARKERS = {
     "acquire_sys_load": ("ld.global.acquire.sys", "ld.acquire.sys"),
     "fence_sys": ("fence.acq_rel.sys",),
     "bulk_wait": ("cp.async.bulk.wait_group 0",),
+    "proxy_fence": ("fence.proxy.async.global",),
     "tma_store": ("cp.async.bulk.tensor",),
     "tma_reduce": ("cp.reduce.async.bulk.tensor",),
     "globaltimer": ("%globaltimer",),
