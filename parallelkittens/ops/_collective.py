@@ -89,7 +89,7 @@ def _pull_kernel(src_ptr, h, out_ptr, ctr_ptr, hc, meta_ptr, hm, sig, limit,
             if REDUCE:  # every rank sums in rank order, so every rank gets the same bits
                 acc = tl.zeros([BR, BC], tl.float32)
                 for r in range(world):
-                    m = mask & (src_off + src_r * r.to(tl.int64) < limit)
+                    m = mask & (src_off + src_r * tl.cast(r, tl.int64) < limit)
                     acc += pkl.load(src_ptr + src_off + src_r * r, h, r, m, 0).to(tl.float32)
                 tl.store(out_ptr + dst_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
             else:
