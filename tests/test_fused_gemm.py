@@ -102,3 +102,31 @@ def _compiled() -> list[float]:
 def test_custom_ops_compile_with_torch_compile():
     for errors in pk.spawn(_compiled, 2):
         assert all(e < 1e-3 for e in errors), errors
+
+
+def _changing_shapes() -> list[str]:
+    """One set of symmetric buffers serves every shape: small, larger, small again, all correct."""
+    ctx = pk.context()
+    world, me = ctx.local_world_size, ctx.local_rank
+    seed, failures = shared_seed(), []
+    for m, k, n in [(32, 16, 24), (96, 40, 56), (32, 16, 24)]:
+        a_parts = [rank_data((m, k), torch.float16, seed + m, r) for r in range(world)]
+        b_parts = [rank_data((k, n), torch.float16, seed + n, r) for r in range(world)]
+        for what, out, ref in [
+            ("all_gather_matmul", all_gather_matmul(a_parts[me], b_parts[0]),
+             reference_all_gather_matmul(a_parts, b_parts[0])),
+            ("matmul_reduce_scatter", matmul_reduce_scatter(a_parts[me], b_parts[me]),
+             reference_matmul_reduce_scatter(a_parts, b_parts, me)),
+            ("matmul_all_reduce", matmul_all_reduce(a_parts[me], b_parts[me]),
+             reference_matmul_all_reduce(a_parts, b_parts)),
+        ]:
+            err = relative_error(out, ref)
+            if not err <= BOUND[torch.float16]:
+                failures.append(f"{what} {(m, k, n)}: relative error {err:.2e}")
+    pk.sync()
+    return failures
+
+
+def test_buffers_are_reused_across_shapes():
+    for rank, failures in enumerate(pk.spawn(_changing_shapes, 2)):
+        assert not failures, f"rank {rank}: {failures}"

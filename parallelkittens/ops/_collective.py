@@ -168,16 +168,26 @@ class Workspace:
         self.meta = zeros(2 * ctx.local_world_size, torch.int64, name=f"{name}.signatures")
         self.buffers: dict[int, ParallelTensor] = {}
 
-    def staging(self, nbytes: int, slot: int = 0) -> ParallelTensor:
-        """Staging buffer `slot`, at least `nbytes` long (growing it is collective: every rank grows together,
-        in powers of two from 1 MiB, so that repeated calls of one size never reallocate)."""
+    def staging(self, nbytes: int, slot: int = 0, zero: bool = False) -> ParallelTensor:
+        """Symmetric buffer `slot`, at least `nbytes` long (growing it is collective: every rank grows together,
+        in powers of two from 1 MiB, so that repeated calls of one size never reallocate). With `zero`, a new
+        buffer starts zeroed on every rank (for counters and accumulators that ops return to zero)."""
         buf = self.buffers.get(slot)
         if buf is None or buf.local.numel() < nbytes:
             if buf is not None:
                 buf.free()
             size = 1 << math.ceil(math.log2(max(nbytes, 1 << 20)))
-            buf = self.buffers[slot] = empty(size, torch.uint8, name=f"{self.name}.staging{slot}")
+            make = zeros if zero else empty
+            buf = self.buffers[slot] = make(size, torch.uint8, name=f"{self.name}.buffer{slot}")
         return buf
+
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype, slot: int, zero: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tensor of `shape` and `dtype` at the start of buffer `slot`, the buffer's handle): one buffer serves
+        every shape an op is called with, so memory tracks the largest call rather than every shape seen."""
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        buf = self.staging(nbytes, slot, zero)
+        return buf.local[:nbytes].view(dtype).view(shape), buf.handle
 
     def source(self, x: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(pointer tensor, handle) for peers to read `x` from: `x` itself if it is a parallel tensor's local

@@ -22,9 +22,8 @@ from .. import language as pkl
 from ..runtime.context import context
 from ..runtime.device import num_sms
 from ..runtime.errors import PKError
-from ..runtime.memory import empty, zeros
 from ..template import grid, lcsc
-from ._collective import agree, signature
+from ._collective import agree, signature, workspace
 from ._tuning import tuned
 from .matmul import MatmulConfig, check_operands, default_config, mainloop, tile_coords
 
@@ -106,17 +105,6 @@ def _finish_kernel(flags_ptr, barrier_ptr, hf, num_flags, BLOCK: tl.constexpr):
     pkl.barrier_all(barrier_ptr, hf)
 
 
-class _State:
-    """Per (shape, dtype) symmetric buffers: the gathered A, one flag per row chunk, a barrier counter."""
-
-    def __init__(self, m_local: int, K: int, dtype: torch.dtype, bm: int):
-        world = context().local_world_size
-        self.a_full = empty((world * m_local, K), dtype, name="all_gather_matmul.a")
-        self.num_chunks = triton.cdiv(world * m_local, bm)
-        self.counters = zeros(self.num_chunks + 1, torch.int32, name="all_gather_matmul.flags")
-
-
-
 def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
                       config: MatmulConfig | None = None) -> torch.Tensor:
     """all_gather(a) @ b: `a` is this rank's (M/W, K) row shard, `b` (K, N); returns (M, N) on every rank.
@@ -138,10 +126,10 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
         raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
     sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
     agree(op, sig)
-    key = (op, m_local, K, a.dtype, cfg.block_m)
-    if key not in ctx.cache:
-        ctx.cache[key] = _State(m_local, K, a.dtype, cfg.block_m)
-    state = ctx.cache[key]
+    ws = workspace(op)
+    a_full, a_full_handle = ws.view((M, K), a.dtype, slot=0)  # the gathered A
+    num_chunks = triton.cdiv(M, cfg.block_m)
+    flags, flags_handle = ws.view((num_chunks + 1,), torch.int32, slot=1, zero=True)  # per chunk, then a barrier
     if world == 1:
         num_comm = 0
     elif num_comm_sms is None:
@@ -155,13 +143,12 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    f = state.counters
     _ag_matmul_kernel[grid(tiles, num_comm)](
-        a, state.a_full.local, b, c, f.local, f.handle, state.a_full.handle, m_local, M, N, K, tiles,
+        a, a_full, b, c, flags, flags_handle, a_full_handle, m_local, M, N, K, tiles,
         num_comm_tasks, NUM_COMM=num_comm, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, BK_COPY=min(64, triton.next_power_of_2(K)), num_warps=cfg.num_warps)
     if world > 1:
-        _finish_kernel[(1,)](f.local, f.local[state.num_chunks:], f.handle, state.num_chunks, BLOCK=256)
+        _finish_kernel[(1,)](flags, flags[num_chunks:], flags_handle, num_chunks, BLOCK=256)
     return c
 
 

@@ -17,9 +17,8 @@ from .. import language as pkl
 from ..runtime.context import context
 from ..runtime.device import num_sms
 from ..runtime.errors import PKError
-from ..runtime.memory import empty, zeros
 from ..template import grid, lcsc
-from ._collective import agree, signature
+from ._collective import agree, signature, workspace
 from ._tuning import tuned
 from .matmul import MatmulConfig, check_operands, default_config, mainloop, tile_coords
 
@@ -114,21 +113,20 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     if M == 0 or N == 0:
         return torch.empty(M, N, dtype=a.dtype, device=a.device)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    key = (op, M, N, a.dtype, cfg.block_m, cfg.block_n)
-    if key not in ctx.cache:
-        ctx.cache[key] = (empty((M, N), torch.float32, name=f"{op}.partials"), empty((M, N), a.dtype, name=f"{op}.out"),
-                        zeros(tiles + 2, torch.int32, name=f"{op}.counters"))
-    part, out, ctr = ctx.cache[key]
+    ws = workspace(op)
+    part, part_handle = ws.view((M, N), torch.float32, slot=0)  # this rank's partial product
+    out, out_handle = ws.view((M, N), a.dtype, slot=1)  # the sum, written by every tile's owner
+    ctr, ctr_handle = ws.view((tiles + 2,), torch.int32, slot=2, zero=True)  # per tile, arrivals, barrier
     num_comm = num_comm_sms if num_comm_sms is not None else tuned(
         (op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
         lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))
     owned = len(range(ctx.local_rank, tiles, world))
     _mm_ar_kernel[grid(tiles, num_comm)](
-        a, b, part.local, part.handle, out.local, out.handle, ctr.local, ctr.handle, M, N, K, tiles, owned,
+        a, b, part, part_handle, out, out_handle, ctr, ctr_handle, M, N, K, tiles, owned,
         NUM_COMM=num_comm, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, STRIP=min(64, cfg.block_n), num_warps=cfg.num_warps)
-    _finish_kernel[(1,)](ctr.local, ctr.handle, tiles)
-    return out.local.clone()  # the buffer is rewritten by the next call
+    _finish_kernel[(1,)](ctr, ctr_handle, tiles)
+    return out.clone()  # the buffer is rewritten by the next call
 
 
 @torch.library.custom_op("parallelkittens::matmul_all_reduce", mutates_args=())

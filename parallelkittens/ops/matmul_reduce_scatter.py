@@ -17,9 +17,8 @@ import triton.language as tl
 from .. import language as pkl
 from ..runtime.context import context
 from ..runtime.errors import PKError
-from ..runtime.memory import zeros
 from ..template import grid, lcsc
-from ._collective import agree, signature
+from ._collective import agree, signature, workspace
 from .barrier import barrier
 from .matmul import MatmulConfig, check_operands, default_config, mainloop, tile_coords
 
@@ -99,19 +98,17 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     out = torch.empty(m_block, N, dtype=a.dtype, device=a.device)
     if out.numel() == 0:
         return out
-    key = (op, m_block, N)
-    if key not in ctx.cache:
-        ctx.cache[key] = (zeros((m_block, N), torch.float32, name=f"{op}.acc"),
-                          zeros(1, torch.int32, name=f"{op}.done"))
-    acc, done = ctx.cache[key]
+    ws = workspace(op)
+    acc, acc_handle = ws.view((m_block, N), torch.float32, slot=0, zero=True)  # zero between calls
+    done, done_handle = ws.view((1,), torch.int32, slot=1, zero=True)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     g = grid(tiles, 0)
-    _mm_rs_kernel[g](a, b, acc.local, acc.handle, done.handle, done.local, M, N, K, tiles, m_block,
+    _mm_rs_kernel[g](a, b, acc, acc_handle, done_handle, done, M, N, K, tiles, m_block,
                      BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                      ALIGNED=m_block % cfg.block_m == 0, num_warps=cfg.num_warps)
-    _wait_kernel[(1,)](done.local, done.handle, world * g[0])
-    out.copy_(acc.local)
-    acc.local.zero_()
+    _wait_kernel[(1,)](done, done_handle, world * g[0])
+    out.copy_(acc)
+    acc.zero_()
     barrier()  # nobody adds into an accumulator before its owner has read and zeroed it
     return out
 
