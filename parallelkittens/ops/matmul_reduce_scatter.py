@@ -20,7 +20,7 @@ from ..runtime.errors import PKError
 from ..template import grid, lcsc
 from ._collective import agree, signature, workspace
 from .barrier import barrier
-from .matmul import MatmulConfig, check_operands, default_config, mainloop, tile_coords
+from .matmul import MatmulConfig, check_operands, default_config, gemm_tile
 
 
 def reference_matmul_reduce_scatter(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor], rank: int
@@ -32,13 +32,9 @@ def reference_matmul_reduce_scatter(a_parts: list[torch.Tensor], b_parts: list[t
 
 @triton.jit
 def _consumer(G, C, task, loader):
-    a_ptr, b_ptr, hc, M, N, K, num_tasks = G[0], G[1], G[4], G[6], G[7], G[8], G[9]
-    me = pkl.rank(hc)
-    rotated = (task + me * num_tasks // pkl.world_size(hc)) % num_tasks  # start at another owner's block
-    pid_m, pid_n = tile_coords(rotated, M, N, C[0], C[1], C[3])
-    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [C[0], C[2]])
-    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [C[2], C[1]])
-    return mainloop(a_desc, b_desc, pid_m * C[0], pid_n * C[1], K, C[0], C[1], C[2], C[4]), pid_m, pid_n
+    hc, num_tasks = G[4], G[9]
+    rotated = (task + pkl.rank(hc) * num_tasks // pkl.world_size(hc)) % num_tasks  # start at another owner's block
+    return gemm_tile(G[0], G[1], G[6], G[7], G[8], rotated, C)
 
 
 @triton.jit
