@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-SIGNALLING = ("signal_wait", "signal_all", "barrier_all", "lcsc_example", "collective_pull")
+SIGNALLING = ("signal_wait", "signal_all", "barrier_all", "lcsc_example", "collective_pull", "collective_pull_copy")
 
 
 def _markers(debug: str) -> dict:
@@ -39,6 +39,11 @@ def test_signals_order_memory_at_system_scope(hot, kernel):
 def test_hot_path_has_no_timer_and_debug_path_has_one(hot, debug, kernel):
     assert "globaltimer" not in hot[kernel]
     assert "globaltimer" in debug[kernel]
+
+
+@pytest.mark.parametrize("kernel", ["collective_pull", "collective_pull_copy"])
+def test_collectives_read_peers_16_bytes_at_a_time(hot, kernel):
+    assert "vector_loads" in hot[kernel], hot[kernel]
 
 
 def test_tensor_descriptors_use_tma(hot):

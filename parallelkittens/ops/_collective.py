@@ -53,10 +53,20 @@ def _record_mismatch(h, theirs, mine):
         tl.store(record + 5, tl.program_id(0).to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["sig", "limit"])
+@triton.jit
+def _within(mask, offsets, limit, LIMIT: tl.constexpr):
+    # Only the two-shot all_reduce needs the bound; elsewhere leaving it out keeps the mask constant over
+    # 16-byte groups, so that Triton can issue 16-byte loads (with it, the loads were 2 bytes wide).
+    if LIMIT:
+        return mask & (offsets < limit)
+    else:
+        return mask
+
+
+@triton.jit(do_not_specialize=["sig"])
 def _pull_kernel(src_ptr, h, out_ptr, ctr_ptr, hc, meta_ptr, hm, sig, limit,
                  R0, R1, R2, C, ss0, ss1, ss2, ds0, ds1, ds2, src_me, src_r, dst_me, dst_r,
-                 REDUCE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                 REDUCE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, LIMIT: tl.constexpr):
     p = tl.program_id(0)
     num_programs = tl.num_programs(0)
     me = pkl.rank(h).to(tl.int64)
@@ -89,14 +99,15 @@ def _pull_kernel(src_ptr, h, out_ptr, ctr_ptr, hc, meta_ptr, hm, sig, limit,
             if REDUCE:  # every rank sums in rank order, so every rank gets the same bits
                 acc = tl.zeros([BR, BC], tl.float32)
                 for r in range(world):
-                    m = mask & (src_off + src_r * tl.cast(r, tl.int64) < limit)
+                    m = _within(mask, src_off + src_r * tl.cast(r, tl.int64), limit, LIMIT)
                     acc += pkl.load(src_ptr + src_off + src_r * r, h, r, m, 0).to(tl.float32)
                 tl.store(out_ptr + dst_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
             else:
                 for i in range(world):
-                    r = (me + i) % world  # start at different peers so ranks do not all read one link (int64)
-                    m = mask & (src_off + src_r * r < limit)
-                    tl.store(out_ptr + dst_off + dst_r * r, pkl.load(src_ptr + src_off + src_r * r, h, r, m), mask=m)
+                    peer = (me + i) % world  # start at different peers so ranks do not all read one link
+                    m = _within(mask, src_off + src_r * peer, limit, LIMIT)
+                    value = pkl.load(src_ptr + src_off + src_r * peer, h, peer, m)
+                    tl.store(out_ptr + dst_off + dst_r * peer, value, mask=m)
     done = ctr_ptr + 2 + num_programs + p
     pkl.signal_all(done, hc)
     pkl.wait_at_least(done, world * epoch, hc)
@@ -208,7 +219,7 @@ class Workspace:
         _pull_kernel[(self.programs,)](
             src, handle, out, self.counters.local, self.counters.handle, self.meta.local, self.meta.handle, sig,
             copy.limit, *copy.rows, copy.cols, *copy.src_strides, *copy.dst_strides, copy.src_me, copy.src_r,
-            copy.dst_me, copy.dst_r, REDUCE=copy.reduce, BR=br, BC=bc, num_warps=4)
+            copy.dst_me, copy.dst_r, REDUCE=copy.reduce, BR=br, BC=bc, LIMIT=copy.limit < 2**62, num_warps=4)
 
 
 def workspace(name: str) -> Workspace:

@@ -25,6 +25,7 @@ MARKERS = {
     "tma_reduce": ("cp.reduce.async.bulk.tensor",),
     "globaltimer": ("%globaltimer",),
     "wgmma": ("wgmma.mma_async",),
+    "vector_loads": ("ld.global.v4",),
 }
 
 
@@ -39,6 +40,14 @@ def _kernels():
 
     i64 = "*i64"
     GEMM = {"BM": 128, "BN": 256, "BK": 64, "GROUP_M": 8, "STAGES": 3}
+    # what a launch specializes when pointers and sizes are multiples of 16 (the usual case)
+    ALIGNED = ("src_ptr", "out_ptr", "limit", "C", "ss0", "ss1", "ss2", "ds0", "ds1", "ds2", "src_me", "src_r",
+               "dst_me", "dst_r")
+    PULL = {"src_ptr": "*bf16", "h": i64, "out_ptr": "*bf16", "ctr_ptr": "*i32", "hc": i64, "meta_ptr": i64,
+            "hm": i64, "sig": "i64", "limit": "i64",
+            **{k: "i32" for k in ("R0", "R1", "R2", "C", "ss0", "ss1", "ss2", "ds0", "ds1", "ds2", "src_me", "src_r",
+                                  "dst_me", "dst_r")}, "REDUCE": "constexpr", "BR": "constexpr", "BC": "constexpr",
+            "LIMIT": "constexpr"}
     return {
         "signal_wait": (pc._signal_wait_kernel, {"src_ptr": "*fp32", "inbox_ptr": "*fp32", "h": i64,
                                                  "flags_ptr": "*i32", "hf": i64, "out_ptr": "*fp32", "n": "i32",
@@ -55,11 +64,9 @@ def _kernels():
         "tma_store_add": (pc._tma_kernel, {"src_ptr": "*fp32", "y_ptr": "*fp32", "h": i64, "M": "i32", "N": "i32",
                                            "ADD": "constexpr", "BM": "constexpr", "BN": "constexpr"},
                           {"ADD": True, "BM": 64, "BN": 64}),
-        "collective_pull": (_pull_kernel, {
-            "src_ptr": "*bf16", "h": i64, "out_ptr": "*bf16", "ctr_ptr": "*i32", "hc": i64, "meta_ptr": i64, "hm": i64,
-            "sig": "i64", "limit": "i64", **{k: "i32" for k in ("R0", "R1", "R2", "C", "ss0", "ss1", "ss2", "ds0",
-                                                               "ds1", "ds2", "src_me", "src_r", "dst_me", "dst_r")},
-            "REDUCE": "constexpr", "BR": "constexpr", "BC": "constexpr"}, {"REDUCE": True, "BR": 4, "BC": 1024}),
+        "collective_pull": (_pull_kernel, PULL, {"REDUCE": True, "BR": 4, "BC": 1024, "LIMIT": True}, ALIGNED),
+        "collective_pull_copy": (_pull_kernel, PULL, {"REDUCE": False, "BR": 1, "BC": 4096, "LIMIT": False},
+                                 ALIGNED),
         "all_gather_matmul": (_ag_matmul_kernel, {
             "a_ptr": "*bf16", "a_full_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": "*i32",
             "hf": i64, "h": i64, **{k: "i32" for k in ("m_local", "M", "N", "K", "num_tasks", "num_comm_tasks")},
@@ -89,8 +96,9 @@ def compile_all(arch: int) -> dict[str, list[str]]:
     from triton.compiler import ASTSource
 
     found = {}
-    for name, (fn, signature, constexprs) in _kernels().items():
-        src = ASTSource(fn, signature, constexprs)
+    for name, (fn, signature, constexprs, *aligned) in _kernels().items():
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (aligned[0] if aligned else ())}
+        src = ASTSource(fn, signature, constexprs, attrs=attrs)
         gemm = "BM" in constexprs and constexprs.get("BN") == 256
         options = {"num_warps": 8} if gemm else {}
         ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
