@@ -55,8 +55,15 @@ def test_store_add_is_a_system_scope_atomic(hot):
     assert "relaxed_sys_add" in hot["store_add"]
 
 
-@pytest.mark.parametrize("kernel", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+def test_gemm_core_uses_wgmma_and_tma(hot):
+    assert "wgmma" in hot["matmul"] and "tma_store" in hot["matmul"]
+
+
+@pytest.mark.parametrize("kernel", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_reduce_scatter_ragged",
+                                    "matmul_all_reduce"])
 def test_fused_gemms_use_wgmma_and_tma(hot, kernel):
     assert "wgmma" in hot[kernel] and "tma_store" in hot[kernel] and "release_sys_atomic" in hot[kernel]
     if kernel == "matmul_reduce_scatter":
         assert "tma_reduce" in hot[kernel]
+    if kernel == "matmul_reduce_scatter_ragged":
+        assert "relaxed_sys_add" in hot[kernel]

@@ -33,6 +33,7 @@ def _kernels():
     from ..ops._collective import _pull_kernel
     from ..ops.all_gather_matmul import _ag_matmul_kernel
     from ..ops.barrier import _barrier_kernel
+    from ..ops.matmul import _matmul_kernel
     from ..ops.matmul_all_reduce import _mm_ar_kernel
     from ..ops.matmul_reduce_scatter import _mm_rs_kernel
     from ..template import example
@@ -76,6 +77,12 @@ def _kernels():
             "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*fp32", "h": i64, "hc": i64, "ctr_ptr": "*i32",
             **{k: "i32" for k in ("M", "N", "K", "num_tasks", "m_block")}, **{k: "constexpr" for k in GEMM},
             "ALIGNED": "constexpr"}, {**GEMM, "ALIGNED": True}),
+        "matmul_reduce_scatter_ragged": (_mm_rs_kernel, {
+            "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*fp32", "h": i64, "hc": i64, "ctr_ptr": "*i32",
+            **{k: "i32" for k in ("M", "N", "K", "num_tasks", "m_block")}, **{k: "constexpr" for k in GEMM},
+            "ALIGNED": "constexpr"}, {**GEMM, "ALIGNED": False}),
+        "matmul": (_matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32",
+                                    "K": "i32", **{k: "constexpr" for k in GEMM}}, GEMM),
         "matmul_all_reduce": (_mm_ar_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*fp32", "h_part": i64, "out_ptr": "*bf16", "h_out": i64,
             "ctr_ptr": "*i32", "hc": i64, **{k: "i32" for k in ("M", "N", "K", "num_tasks", "num_comm_tasks")},
