@@ -20,12 +20,10 @@ import triton.language as tl
 
 from .. import language as pkl
 from ..runtime.context import context
-from ..runtime.device import num_sms
-from ..runtime.errors import PKError
 from ..template import grid, lcsc
 from ._collective import agree, signature, workspace
 from ._tuning import tuned
-from .matmul import MatmulConfig, check_operands, default_config, mainloop, tile_coords
+from .matmul import MatmulConfig, mainloop, prepare, tile_coords
 
 
 def reference_all_gather_matmul(shards: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
@@ -114,16 +112,12 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     (`ops._tuning`), the same on every rank.
     """
     op = "all_gather_matmul"
-    check_operands(op, a, b)
+    a, b, cfg = prepare(op, a, b, config, num_comm_sms)
     ctx = context()
     world = ctx.local_world_size
-    cfg = (config or default_config()).validate()
-    a, b = a.contiguous(), b.contiguous()
     m_local, K = a.shape
     N = b.shape[1]
     M = world * m_local
-    if num_comm_sms is not None and not 1 <= num_comm_sms < num_sms():
-        raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
     sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
     agree(op, sig)
     ws = workspace(op)

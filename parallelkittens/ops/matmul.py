@@ -123,11 +123,19 @@ def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) 
                       f"of {per_16_bytes} for {a.dtype} (a {tuple(a.shape)}, b {tuple(b.shape)})")
 
 
+def prepare(op: str, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None,
+            num_comm_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor, MatmulConfig]:
+    """Check the operands (and `num_comm_sms`) on this rank before anything collective; return contiguous
+    operands and the validated configuration."""
+    check_operands(op, a, b)
+    if num_comm_sms is not None and not 1 <= num_comm_sms < num_sms():
+        raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
+    return a.contiguous(), b.contiguous(), (config or default_config()).validate()
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:
     """a @ b with the persistent descriptor GEMM: (M, K) @ (K, N) -> (M, N), fp32 accumulation. Not collective."""
-    check_operands("matmul", a, b)
-    cfg = (config or default_config()).validate()
-    a, b = a.contiguous(), b.contiguous()
+    a, b, cfg = prepare("matmul", a, b, config)
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)

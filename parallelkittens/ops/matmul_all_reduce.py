@@ -15,12 +15,10 @@ import triton.language as tl
 
 from .. import language as pkl
 from ..runtime.context import context
-from ..runtime.device import num_sms
-from ..runtime.errors import PKError
 from ..template import grid, lcsc
 from ._collective import agree, signature, workspace
 from ._tuning import tuned
-from .matmul import MatmulConfig, check_operands, default_config, gemm_tile
+from .matmul import MatmulConfig, gemm_tile, prepare
 
 
 def reference_matmul_all_reduce(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor]) -> torch.Tensor:
@@ -95,15 +93,11 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     (`ops._tuning`), the same on every rank.
     """
     op = "matmul_all_reduce"
-    check_operands(op, a, b)
+    a, b, cfg = prepare(op, a, b, config, num_comm_sms)
     ctx = context()
     world = ctx.local_world_size
-    cfg = (config or default_config()).validate()
-    a, b = a.contiguous(), b.contiguous()
     M, K = a.shape
     N = b.shape[1]
-    if num_comm_sms is not None and not 1 <= num_comm_sms < num_sms():
-        raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
     sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
     agree(op, sig)
     if M == 0 or N == 0:

@@ -20,7 +20,7 @@ from ..runtime.errors import PKError
 from ..template import grid, lcsc
 from ._collective import agree, signature, workspace
 from .barrier import barrier
-from .matmul import MatmulConfig, check_operands, default_config, gemm_tile
+from .matmul import MatmulConfig, gemm_tile, prepare
 
 
 def reference_matmul_reduce_scatter(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor], rank: int
@@ -79,11 +79,9 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     multiples of 8 (TMA rows).
     """
     op = "matmul_reduce_scatter"
-    check_operands(op, a, b)
+    a, b, cfg = prepare(op, a, b, config)
     ctx = context()
     world = ctx.local_world_size
-    cfg = (config or default_config()).validate()
-    a, b = a.contiguous(), b.contiguous()
     M, K = a.shape
     N = b.shape[1]
     if M % world:
