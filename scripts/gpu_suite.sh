@@ -2,7 +2,8 @@
 # The GPU run, in one call on the device machine: the test suite (2 and 4 ranks sharing the GPU, or one rank per
 # GPU where there are enough), the demo, and every benchmark. Logs go to $OUT (default ./gpu-out), benchmark JSON
 # and PNG to $OUT/results.tgz (and bench/results/ when run by hand); a short table is printed last.
-#   [BENCH='all_reduce matmul'] bash scripts/gpu_suite.sh [all|tests|bench] [pytest -k expression]
+#   [BENCH='all_reduce matmul'] [BENCH_TIMEOUT=300] [TESTS_TIMEOUT=400] [DEMO=0]
+#   bash scripts/gpu_suite.sh [all|tests|bench] [pytest -k expression]
 set -u
 WHAT=${1:-all}
 OUT=${OUT:-$PWD/gpu-out}
@@ -14,6 +15,9 @@ unset TRITON_INTERPRET
 export PY=${PY:-python3}
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
 export PK_TEST_WORLDS=${PK_TEST_WORLDS:-2,4} PK_TEST_CALLS=${PK_TEST_CALLS:-300}
+# Ranks compile their kernels separately, and a rank's first launch may wait for a peer still compiling a GEMM
+# (tens of seconds for several ranks at once): bounded waits get a minute here instead of the CPU tests' 20 s.
+export PK_WAIT_TIMEOUT=${PK_WAIT_TIMEOUT:-60}
 status=()
 
 stage() {  # stage NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, remember the exit code
@@ -35,8 +39,8 @@ if [ "$WHAT" != tests ]; then
   tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"  # few files may come back
 fi
 if [ "$WHAT" != bench ]; then
-  stage tests 400 $PY -m pytest tests -q -p no:cacheprovider --timeout 300 -rfE --durations=12 ${2:+-k "$2"}
-  stage demo 150 $PY -m parallelkittens demo --ranks 4
+  stage tests ${TESTS_TIMEOUT:-400} $PY -m pytest tests -q -p no:cacheprovider --timeout 300 -rfE --durations=12 ${2:+-k "$2"}
+  [ "${DEMO:-1}" = 1 ] && stage demo 150 $PY -m parallelkittens demo --ranks 4
 fi
 
 echo "== summary ($GPUS GPU(s), worlds $PK_TEST_WORLDS) =="

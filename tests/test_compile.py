@@ -20,13 +20,18 @@ def _markers(debug: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hot():
+def compiled():
     return _markers("0")
 
 
 @pytest.fixture(scope="module")
+def hot(compiled):
+    return compiled["markers"]
+
+
+@pytest.fixture(scope="module")
 def debug():
-    return _markers("1")
+    return _markers("1")["markers"]
 
 
 @pytest.mark.parametrize("kernel", SIGNALLING)
@@ -67,3 +72,9 @@ def test_fused_gemms_use_wgmma_and_tma(hot, kernel):
         assert "tma_reduce" in hot[kernel]
     if kernel == "matmul_reduce_scatter_ragged":
         assert "relaxed_sys_add" in hot[kernel]
+
+
+def test_every_kernel_fits_in_shared_memory(compiled):
+    limit = 232448  # bytes of shared memory one block may use on an H100 / H200 SM
+    too_big = {name: size for name, size in compiled["shared"].items() if size > limit}
+    assert not too_big, f"need more shared memory than an SM has ({limit} B): {too_big}"

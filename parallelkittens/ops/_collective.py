@@ -22,6 +22,7 @@ on the peer read (``r``); every collective is such a copy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -158,6 +159,11 @@ def collapse(shape: tuple[int, ...], src: tuple[int, ...], dst: tuple[int, ...]
 
 def signature(*parts) -> int:
     """A 62-bit id of the call's op, shapes, dtype and dims; registered for readable mismatch errors."""
+    return _signature(parts)
+
+
+@functools.lru_cache(maxsize=4096)  # a call's parts repeat from call to call: hash them once
+def _signature(parts: tuple) -> int:
     text = repr(parts)
     sig = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2 or 1
     SIGNATURES[sig] = f"{parts[0]} with {', '.join(map(str, parts[1:]))}"
@@ -168,12 +174,14 @@ class Workspace:
     """Symmetric staging buffer (bytes, grown on demand, collectively) and the protocol's counters, made once
     per op; `calls` share it in order."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, programs_per_sm: int | None = None, tile_bytes: int = 16384, num_warps: int = 4):
         ctx = context()
         self.name = name
-        # Several programs per SM keep enough loads in flight to fill HBM and NVLink (the runtime benchmark's
-        # register path: 4 per SM); under the interpreter every program is a thread, so one per "SM" there.
-        self.programs = num_sms() * (4 if ctx.device.type == "cuda" else 1)
+        # Two programs per SM with 16 KB tiles keep enough loads in flight to fill HBM (a sweep on an H200,
+        # scripts/diagnose_collectives.py: 1.9 TB/s copying, as with 4 or 8 per SM, and fewer programs make the
+        # protocol cheaper); under the interpreter every program is a thread, so one per "SM" there.
+        self.programs = num_sms() * (programs_per_sm or (2 if ctx.device.type == "cuda" else 1))
+        self.tile_bytes, self.num_warps = tile_bytes, num_warps
         # [epoch, finished, arrive[programs], done[programs]]
         self.counters = zeros(2 + 2 * self.programs, torch.int32, name=f"{name}.counters")
         self.meta = zeros(2 * ctx.local_world_size, torch.int64, name=f"{name}.signatures")
@@ -213,13 +221,15 @@ class Workspace:
 
     def pull(self, src: torch.Tensor, handle: torch.Tensor, out: torch.Tensor, copy: Copy, sig: int) -> None:
         """Launch the pull kernel for `copy` from every rank's `src` into `out`."""
-        bc = min(4096, triton.next_power_of_2(max(copy.cols, 16)))  # tiles of up to 4096 elements
+        tile = self.tile_bytes // src.element_size()  # elements per tile
+        bc = min(tile, triton.next_power_of_2(max(copy.cols, 16)))
         rows = math.prod(copy.rows)
-        br = max(1, min(4096 // bc, triton.next_power_of_2(rows)))
+        br = max(1, min(tile // bc, triton.next_power_of_2(rows)))
         _pull_kernel[(self.programs,)](
             src, handle, out, self.counters.local, self.counters.handle, self.meta.local, self.meta.handle, sig,
             copy.limit, *copy.rows, copy.cols, *copy.src_strides, *copy.dst_strides, copy.src_me, copy.src_r,
-            copy.dst_me, copy.dst_r, REDUCE=copy.reduce, BR=br, BC=bc, LIMIT=copy.limit < 2**62, num_warps=4)
+            copy.dst_me, copy.dst_r, REDUCE=copy.reduce, BR=br, BC=bc, LIMIT=copy.limit < 2**62,
+            num_warps=self.num_warps)
 
 
 def workspace(name: str) -> Workspace:

@@ -23,7 +23,7 @@ from ..runtime.context import context
 from ..template import grid, lcsc
 from ._collective import agree, signature, workspace
 from ._tuning import tuned
-from .matmul import MatmulConfig, mainloop, prepare, tile_coords
+from .matmul import MatmulConfig, mainloop, prepare, store_tile, tile_coords
 
 
 def reference_all_gather_matmul(shards: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
@@ -49,13 +49,15 @@ def _consumer(G, C, task, loader):
     pid_m = (pid_m + (me * m_local) // C[0]) % tiles_m
     b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [C[2], C[1]])
     row0 = pid_m * C[0]
-    if (row0 >= me * m_local) & (tl.minimum(row0 + C[0], M) <= (me + 1) * m_local):  # wholly mine: local shard
-        a_desc = tl.make_tensor_descriptor(a_ptr, [m_local, K], [K, 1], [C[0], C[2]])
-        acc = mainloop(a_desc, b_desc, row0 - me * m_local, pid_n * C[1], K, C[0], C[1], C[2], C[4])
+    # rows wholly mine come straight from the local shard; others from the gathered A once their chunk is in.
+    # One descriptor and one k-loop for both: two k-loops would each hold their own shared-memory pipeline.
+    src, rows, first = a_full_ptr, M, row0
+    if (row0 >= me * m_local) & (tl.minimum(row0 + C[0], M) <= (me + 1) * m_local):
+        src, rows, first = a_ptr, m_local, row0 - me * m_local
     else:
         pkl.wait(flags_ptr + pid_m, _chunk_writers(pid_m, m_local, M, C[0]), hf)
-        a_desc = tl.make_tensor_descriptor(a_full_ptr, [M, K], [K, 1], [C[0], C[2]])
-        acc = mainloop(a_desc, b_desc, row0, pid_n * C[1], K, C[0], C[1], C[2], C[4])
+    a_desc = tl.make_tensor_descriptor(src, [rows, K], [K, 1], [C[0], C[2]])
+    acc = mainloop(a_desc, b_desc, first, pid_n * C[1], K, C[0], C[1], C[2], C[4])
     return acc, pid_m, pid_n
 
 
@@ -63,8 +65,8 @@ def _consumer(G, C, task, loader):
 def _storer(G, C, task, result):
     acc, pid_m, pid_n = result
     c_ptr, M, N = G[3], G[8], G[9]
-    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [C[0], C[1]])
-    c_desc.store([pid_m * C[0], pid_n * C[1]], acc.to(c_ptr.dtype.element_ty))
+    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [C[0], C[1] // 2])
+    store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), pid_m * C[0], pid_n * C[1], C[0], C[1])
 
 
 @triton.jit
@@ -86,12 +88,12 @@ def _communicator(G, C, task):
         pkl.signal(flags_ptr + chunk, hf, (me + i) % pkl.world_size(h))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_comm"])
 def _ag_matmul_kernel(a_ptr, a_full_ptr, b_ptr, c_ptr, flags_ptr, hf, h, m_local, M, N, K, num_tasks,
-                      num_comm_tasks, NUM_COMM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      num_comm_tasks, num_comm, BM: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, BK_COPY: tl.constexpr):
     G = (a_ptr, a_full_ptr, b_ptr, c_ptr, flags_ptr, hf, h, m_local, M, N, K)
-    lcsc(G, (BM, BN, BK, GROUP_M, STAGES, BK_COPY), num_tasks, num_comm_tasks, NUM_COMM, None, _consumer, _storer,
+    lcsc(G, (BM, BN, BK, GROUP_M, STAGES, BK_COPY), num_tasks, num_comm_tasks, num_comm, None, _consumer, _storer,
          _communicator)
 
 
@@ -139,7 +141,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
         return c
     _ag_matmul_kernel[grid(tiles, num_comm)](
         a, a_full, b, c, flags, flags_handle, a_full_handle, m_local, M, N, K, tiles,
-        num_comm_tasks, NUM_COMM=num_comm, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        num_comm_tasks, num_comm=num_comm, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, BK_COPY=min(64, triton.next_power_of_2(K)), num_warps=cfg.num_warps)
     if world > 1:
         _finish_kernel[(1,)](flags, flags[num_chunks:], flags_handle, num_chunks, BLOCK=256)

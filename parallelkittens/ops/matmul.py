@@ -12,7 +12,7 @@ Reference point (digest §15.3, one H200): a plain persistent Triton GEMM with d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -35,6 +35,7 @@ class MatmulConfig:
     group_m: int = 8
     num_stages: int = 3
     num_warps: int = 8
+    flatten: bool = False  # the plain GEMM only: one flattened loop over tiles and k, so loads run ahead
 
     def validate(self) -> MatmulConfig:
         for field in ("block_m", "block_n", "block_k"):
@@ -46,11 +47,23 @@ class MatmulConfig:
         return self
 
 
-def default_config() -> MatmulConfig:
-    """Big tiles on a GPU; small ones under the interpreter, where every block op is a numpy call."""
-    if context().device.type == "cuda":
-        return MatmulConfig()
-    return MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_stages=1, num_warps=4)
+def default_config(dtype: torch.dtype = torch.bfloat16) -> MatmulConfig:
+    """The fused ops' tiles: 128x256x64 on a GPU (128x256x32 in fp32, whose tiles take twice the shared memory);
+    small ones under the interpreter, where every block op is a numpy call."""
+    if context().device.type != "cuda":
+        return MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_stages=1, num_warps=4)
+    return MatmulConfig(block_k=32 if dtype == torch.float32 else 64)
+
+
+def matmul_config(M: int, N: int, dtype: torch.dtype) -> MatmulConfig:
+    """The plain GEMM's tiles, from a sweep on an H200 (scripts/tune_matmul.py): the flattened loop wins or
+    ties everywhere; when 128x256 tiles would leave SMs idle, 128x128 tiles with 5 stages and 4 warps win."""
+    cfg = default_config(dtype)
+    if context().device.type != "cuda":
+        return cfg
+    if triton.cdiv(M, 128) * triton.cdiv(N, 256) < num_sms():
+        cfg = replace(cfg, block_n=128, num_stages=5 if dtype != torch.float32 else 4, num_warps=4)
+    return replace(cfg, flatten=True)
 
 
 def reference_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -80,6 +93,21 @@ def mainloop(a_desc, b_desc, off_m, off_n, K, BM: tl.constexpr, BN: tl.constexpr
 
 
 @triton.jit
+def column_halves(acc, BM: tl.constexpr, BN: tl.constexpr):
+    """The (BM, BN/2) left and right halves of `acc`. An fp32 epilogue written in halves needs half the shared
+    memory (64 KB instead of 128 KB for a 128x256 tile), which is what lets it sit beside a 3-stage k-loop."""
+    return tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def store_tile(desc, tile, row, col, BM: tl.constexpr, BN: tl.constexpr):
+    """Store a (BM, BN) tile through `desc`, whose block is (BM, BN/2), one half at a time."""
+    left, right = column_halves(tile, BM, BN)
+    desc.store([row, col], left)
+    desc.store([row, col + BN // 2], right)
+
+
+@triton.jit
 def gemm_tile(a_ptr, b_ptr, M, N, K, tile, C):
     """(fp32 tile, pid_m, pid_n) for output tile `tile`, in grouped order, of a @ b; the fused ops' consumer.
     C = (BM, BN, BK, GROUP_M, STAGES, ...), read in place so its entries stay constexprs."""
@@ -91,14 +119,14 @@ def gemm_tile(a_ptr, b_ptr, M, N, K, tile, C):
 
 @triton.jit
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+                   GROUP_M: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr):
     a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BM, BK])
     b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BK, BN])
-    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [BM, BN])
-    for tile in range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), tl.num_programs(0)):
+    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [BM, BN // 2])
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, STAGES)
-        c_desc.store([pid_m * BM, pid_n * BN], acc.to(c_ptr.dtype.element_ty))
+        store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), pid_m * BM, pid_n * BN, BM, BN)
 
 
 def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) -> None:
@@ -130,17 +158,17 @@ def prepare(op: str, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | No
     check_operands(op, a, b)
     if num_comm_sms is not None and not 1 <= num_comm_sms < num_sms():
         raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
-    return a.contiguous(), b.contiguous(), (config or default_config()).validate()
+    return a.contiguous(), b.contiguous(), (config or default_config(a.dtype)).validate()
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:
     """a @ b with the persistent descriptor GEMM: (M, K) @ (K, N) -> (M, N), fp32 accumulation. Not collective."""
-    a, b, cfg = prepare("matmul", a, b, config)
+    a, b, cfg = prepare("matmul", a, b, config or matmul_config(a.shape[0], b.shape[1], a.dtype))
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     _matmul_kernel[(max(1, min(num_sms(), tiles)),)](
         a, b, c, M, N, K, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+        STAGES=cfg.num_stages, FLATTEN=cfg.flatten, num_warps=cfg.num_warps)
     return c

@@ -18,7 +18,7 @@ from ..runtime.context import context
 from ..template import grid, lcsc
 from ._collective import agree, signature, workspace
 from ._tuning import tuned
-from .matmul import MatmulConfig, gemm_tile, prepare
+from .matmul import MatmulConfig, gemm_tile, prepare, store_tile
 
 
 def reference_matmul_all_reduce(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor]) -> torch.Tensor:
@@ -36,8 +36,8 @@ def _storer(G, C, task, result):
     acc, pid_m, pid_n = result
     part_ptr, ctr_ptr, hc, M, N = G[2], G[5], G[6], G[7], G[8]
     tiles_n = tl.cdiv(N, C[1])
-    part = tl.make_tensor_descriptor(part_ptr, [M, N], [N, 1], [C[0], C[1]])
-    part.store([pid_m * C[0], pid_n * C[1]], acc)
+    part = tl.make_tensor_descriptor(part_ptr, [M, N], [N, 1], [C[0], C[1] // 2])
+    store_tile(part, acc, pid_m * C[0], pid_n * C[1], C[0], C[1])
     tile = pid_m * tiles_n + pid_n
     pkl.signal(ctr_ptr + tile, hc, tile % pkl.world_size(hc))  # to the tile's owner
 
@@ -67,12 +67,12 @@ def _communicator(G, C, task):
         pkl.signal(ctr_ptr + num_tiles, hc, (me + i) % world)  # one more result tile on that rank
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_comm"])
 def _mm_ar_kernel(a_ptr, b_ptr, part_ptr, h_part, out_ptr, h_out, ctr_ptr, hc, M, N, K, num_tasks, num_comm_tasks,
-                  NUM_COMM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  num_comm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   GROUP_M: tl.constexpr, STAGES: tl.constexpr, STRIP: tl.constexpr):
     G = (a_ptr, b_ptr, part_ptr, h_part, 0, ctr_ptr, hc, M, N, K, out_ptr, h_out)
-    lcsc(G, (BM, BN, BK, GROUP_M, STAGES, STRIP), num_tasks, num_comm_tasks, NUM_COMM, None, _consumer, _storer,
+    lcsc(G, (BM, BN, BK, GROUP_M, STAGES, STRIP), num_tasks, num_comm_tasks, num_comm, None, _consumer, _storer,
          _communicator)
 
 
@@ -113,7 +113,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     owned = len(range(ctx.local_rank, tiles, world))
     _mm_ar_kernel[grid(tiles, num_comm)](
         a, b, part, part_handle, out, out_handle, ctr, ctr_handle, M, N, K, tiles, owned,
-        NUM_COMM=num_comm, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        num_comm=num_comm, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, STRIP=min(64, cfg.block_n), num_warps=cfg.num_warps)
     _finish_kernel[(1,)](ctr, ctr_handle, tiles)
     return out.clone()  # the buffer is rewritten by the next call

@@ -20,7 +20,7 @@ from ..runtime.errors import PKError
 from ..template import grid, lcsc
 from ._collective import agree, signature, workspace
 from .barrier import barrier
-from .matmul import MatmulConfig, gemm_tile, prepare
+from .matmul import MatmulConfig, column_halves, gemm_tile, prepare
 
 
 def reference_matmul_reduce_scatter(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor], rank: int
@@ -44,8 +44,10 @@ def _storer(G, C, task, result):
     row0 = pid_m * C[0]
     if C[5]:  # row blocks align with tiles: one bulk reduce-add into the owner
         owner = row0 // m_block
-        dst = pkl.peer_descriptor(acc_ptr, h, owner, [m_block, N], [N, 1], [C[0], C[1]])
-        dst.atomic_add([row0 - owner * m_block, pid_n * C[1]], acc)
+        dst = pkl.peer_descriptor(acc_ptr, h, owner, [m_block, N], [N, 1], [C[0], C[1] // 2])
+        left, right = column_halves(acc, C[0], C[1])
+        dst.atomic_add([row0 - owner * m_block, pid_n * C[1]], left)
+        dst.atomic_add([row0 - owner * m_block, pid_n * C[1] + C[1] // 2], right)
     else:
         rows = row0 + tl.arange(0, C[0]).to(tl.int64)
         cols = pid_n * C[1] + tl.arange(0, C[1])

@@ -38,6 +38,7 @@ _SHM_DIR = "/dev/shm"
 
 _sequence = itertools.count()
 _live: weakref.WeakSet[ParallelTensor] = weakref.WeakSet()
+_by_address: weakref.WeakValueDictionary[int, ParallelTensor] = weakref.WeakValueDictionary()  # local start -> it
 
 
 def shm_prefix(job_id: str) -> str:
@@ -67,6 +68,7 @@ class ParallelTensor:
         self.ptrs = self.handle[HANDLE_BASES:]
         self._bases = bases
         _live.add(self)
+        _by_address[self.local.data_ptr()] = self
 
     @property
     def shape(self) -> torch.Size:
@@ -114,6 +116,8 @@ class ParallelTensor:
 
             for t in self._peers:
                 interpreter.unregister_buffer(t)
+        if _by_address.get(self.local.data_ptr()) is self:
+            del _by_address[self.local.data_ptr()]
         self._peers = None
         self._keepalive = None
         self.local = torch.empty(0, dtype=self.local.dtype, device=self.local.device)
@@ -136,10 +140,10 @@ class ParallelTensor:
 
 def owner_of(t: torch.Tensor) -> ParallelTensor | None:
     """The live parallel tensor whose whole local buffer `t` is (same start, shape and dtype), if any."""
-    for pt in list(_live):
-        if pt._peers is not None and pt.local.data_ptr() == t.data_ptr() and pt.local.shape == t.shape \
-                and pt.local.dtype == t.dtype and t.is_contiguous():
-            return pt
+    pt = _by_address.get(t.data_ptr())  # a dictionary, not a scan: this runs on every collective call
+    if pt is not None and pt._peers is not None and pt.local.shape == t.shape and pt.local.dtype == t.dtype \
+            and t.is_contiguous():
+        return pt
     return None
 
 

@@ -79,11 +79,11 @@ def _communicator(G, C, task):
         pkl.signal(flags_ptr + num_tasks, hc, peer)  # the arrival counter follows the per-tile flags
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_comm"])
 def _scaled_all_gather_kernel(x_ptr, out_ptr, h, counters_ptr, hc, alpha, M, N, num_tasks,
-                              NUM_COMM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                              num_comm, BM: tl.constexpr, BN: tl.constexpr):
     G = (x_ptr, out_ptr, h, counters_ptr, hc, alpha, M, N, num_tasks)
-    lcsc(G, (BM, BN), num_tasks, num_tasks, NUM_COMM, _loader, _consumer, _storer, _communicator)
+    lcsc(G, (BM, BN), num_tasks, num_tasks, num_comm, _loader, _consumer, _storer, _communicator)
 
 
 @triton.jit
@@ -123,6 +123,6 @@ class ScaledAllGather:
         c = self.counters
         _scaled_all_gather_kernel[self.grid](
             x, self.out.local, self.out.handle, c.local, c.handle, alpha, self.M, self.N, self.num_tasks,
-            NUM_COMM=self.num_comm, BM=self.block[0], BN=self.block[1])
+            num_comm=self.num_comm, BM=self.block[0], BN=self.block[1])
         _finish_kernel[(1,)](c.local, c.handle, self.num_tasks, (self.world - 1) * self.num_tasks)
         return self.out.local

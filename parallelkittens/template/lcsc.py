@@ -1,6 +1,6 @@
 """The LCSC template (load, compute, store, communicate): one persistent kernel, two kinds of program.
 
-The first `NUM_COMM_PROGRAMS` programs of the grid are communicators; the others are compute workers. A compute
+The first `num_comm_programs` programs of the grid are communicators; the others are compute workers. A compute
 worker takes tasks ``pid, pid + P, pid + 2P, ...`` (P compute programs) and for each runs
 ``acc = consumer(G, C, task, loader)`` then ``storer(G, C, task, acc)``; the consumer calls
 ``loader(G, C, task, k)`` for each step of its main loop. The loader is where a worker reads peer memory or
@@ -14,6 +14,8 @@ values (block sizes, flags); the roles index them. They are separate because Tri
 constexpr only inside an all-constexpr tuple, and only where it is read in place (``tl.arange(0, C[0])``):
 unpacking the tuple or assigning ``BM = C[0]`` turns it into a run-time value (Triton 3.6 and 3.9).
 Roles are `@triton.jit` functions passed by name; `loader` and `communicator` may be None when unused.
+`num_comm_programs` is a run-time value, so trying several counts (tuning) compiles the kernel once; launch
+with ``do_not_specialize=["num_comm"]``-style kernels, or a count of 1 compiles a second variant.
 
 Every program of the grid must be resident at once, since compute workers and communicators wait on each
 other: launch with `grid(...)`, which never asks for more programs than the device has SMs.
@@ -26,21 +28,20 @@ from ..runtime.device import num_sms
 
 
 @triton.jit
-def lcsc(G, C, num_tasks, num_comm_tasks, NUM_COMM_PROGRAMS: tl.constexpr, loader, consumer, storer,
-         communicator):
+def lcsc(G, C, num_tasks, num_comm_tasks, num_comm_programs, loader, consumer, storer, communicator):
     """Run the op's roles over `num_tasks` compute tasks and `num_comm_tasks` communication tasks."""
     pid = tl.program_id(0)
-    num_compute = tl.num_programs(0) - NUM_COMM_PROGRAMS
+    num_compute = tl.num_programs(0) - num_comm_programs
     # Communicators take the lowest program ids: the hardware starts programs in id order, so when some SMs
     # are busy (another stream, NCCL) the programs left waiting are compute workers, never the communicators
     # the workers wait for.
-    if pid >= NUM_COMM_PROGRAMS:
-        for task in range(pid - NUM_COMM_PROGRAMS, num_tasks, num_compute):
+    if pid >= num_comm_programs:
+        for task in range(pid - num_comm_programs, num_tasks, num_compute):
             acc = consumer(G, C, task, loader)
             storer(G, C, task, acc)
     else:
-        if NUM_COMM_PROGRAMS > 0:
-            for task in range(pid, num_comm_tasks, NUM_COMM_PROGRAMS):
+        if communicator is not None:
+            for task in range(pid, num_comm_tasks, num_comm_programs):
                 communicator(G, C, task)
 
 

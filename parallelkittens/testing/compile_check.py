@@ -2,9 +2,10 @@
 
     TRITON_INTERPRET=0 python -m parallelkittens.testing.compile_check [--arch 90]
 
-prints one JSON object: kernel name -> list of the memory-ordering markers found in its PTX. The tests check
-that signals release and waits acquire at system scope, that bulk tensor copies are waited for before a
-signal, and that the bounded wait (a timer read) exists only with PK_DEBUG=1.
+prints one JSON object: {"markers": kernel name -> the memory-ordering markers found in its PTX, "shared":
+kernel name -> bytes of shared memory it needs}. The tests check that signals release and waits acquire at
+system scope, that bulk tensor copies are waited for before a signal, that the bounded wait (a timer read)
+exists only with PK_DEBUG=1, and that every kernel fits in an H100/H200 SM's shared memory.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _kernels():
             **{k: "i32" for k in ("R0", "R1", "R2", "C", "ss0", "ss1", "ss2", "ds0", "ds1", "ds2", "src_me", "src_r",
                                   "dst_me", "dst_r")}, "REDUCE": "constexpr", "BR": "constexpr", "BC": "constexpr",
             "LIMIT": "constexpr"}
-    return {
+    kernels = {
         "signal_wait": (pc._signal_wait_kernel, {"src_ptr": "*fp32", "inbox_ptr": "*fp32", "h": i64,
                                                  "flags_ptr": "*i32", "hf": i64, "out_ptr": "*fp32", "n": "i32",
                                                  "BLOCK": "constexpr"}, {"BLOCK": 256}),
@@ -71,8 +72,8 @@ def _kernels():
         "all_gather_matmul": (_ag_matmul_kernel, {
             "a_ptr": "*bf16", "a_full_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": "*i32",
             "hf": i64, "h": i64, **{k: "i32" for k in ("m_local", "M", "N", "K", "num_tasks", "num_comm_tasks")},
-            **{k: "constexpr" for k in GEMM}, "NUM_COMM": "constexpr", "BK_COPY": "constexpr"},
-            {**GEMM, "NUM_COMM": 8, "BK_COPY": 64}),
+            **{k: "constexpr" for k in GEMM}, "num_comm": "i32", "BK_COPY": "constexpr"},
+            {**GEMM, "BK_COPY": 64}),
         "matmul_reduce_scatter": (_mm_rs_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*fp32", "h": i64, "hc": i64, "ctr_ptr": "*i32",
             **{k: "i32" for k in ("M", "N", "K", "num_tasks", "m_block")}, **{k: "constexpr" for k in GEMM},
@@ -81,36 +82,45 @@ def _kernels():
             "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*fp32", "h": i64, "hc": i64, "ctr_ptr": "*i32",
             **{k: "i32" for k in ("M", "N", "K", "num_tasks", "m_block")}, **{k: "constexpr" for k in GEMM},
             "ALIGNED": "constexpr"}, {**GEMM, "ALIGNED": False}),
-        "matmul": (_matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32",
-                                    "K": "i32", **{k: "constexpr" for k in GEMM}}, GEMM),
+        **{name: (_matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32",
+                                   "K": "i32", **{k: "constexpr" for k in GEMM}, "FLATTEN": "constexpr"},
+                  {**GEMM, "FLATTEN": flatten}) for name, flatten in (("matmul", False), ("matmul_flat", True))},
         "matmul_all_reduce": (_mm_ar_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*fp32", "h_part": i64, "out_ptr": "*bf16", "h_out": i64,
             "ctr_ptr": "*i32", "hc": i64, **{k: "i32" for k in ("M", "N", "K", "num_tasks", "num_comm_tasks")},
-            **{k: "constexpr" for k in GEMM}, "NUM_COMM": "constexpr", "STRIP": "constexpr"},
-            {**GEMM, "NUM_COMM": 16, "STRIP": 64}),
+            **{k: "constexpr" for k in GEMM}, "num_comm": "i32", "STRIP": "constexpr"},
+            {**GEMM, "STRIP": 64}),
         "lcsc_example": (example._scaled_all_gather_kernel,
                          {"x_ptr": "*bf16", "out_ptr": "*bf16", "h": i64, "counters_ptr": "*i32", "hc": i64,
                           "alpha": "fp32", "M": "i32", "N": "i32", "num_tasks": "i32",
-                          "NUM_COMM": "constexpr", "BM": "constexpr", "BN": "constexpr"},
-                         {"NUM_COMM": 2, "BM": 32, "BN": 64}),
+                          "num_comm": "i32", "BM": "constexpr", "BN": "constexpr"},
+                         {"BM": 32, "BN": 64}),
     }
+    for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul", "matmul_all_reduce"):  # fp32 (tf32) tiles
+        fn, signature, constexprs = kernels[name]
+        kernels[name + "_fp32"] = (fn, {k: "*fp32" if v == "*bf16" else v for k, v in signature.items()},
+                                   {**constexprs, "BK": 32})
+    return kernels
 
 
-def compile_all(arch: int) -> dict[str, list[str]]:
-    """Compile every kernel of `_kernels()` for CUDA `arch`; map each to the markers its PTX contains."""
+def compile_all(arch: int) -> dict[str, dict]:
+    """Compile every kernel of `_kernels()` for CUDA `arch`: the markers each one's PTX contains, and the
+    shared memory each one needs (bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    found = {}
+    found, shared = {}, {}
     for name, (fn, signature, constexprs, *aligned) in _kernels().items():
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (aligned[0] if aligned else ())}
         src = ASTSource(fn, signature, constexprs, attrs=attrs)
         gemm = "BM" in constexprs and constexprs.get("BN") == 256
         options = {"num_warps": 8} if gemm else {}
-        ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        ptx = kernel.asm["ptx"]
         found[name] = sorted(m for m, needles in MARKERS.items() if any(n in ptx for n in needles))
-    return found
+        shared[name] = int(kernel.metadata.shared)
+    return {"markers": found, "shared": shared}
 
 
 def main() -> None:

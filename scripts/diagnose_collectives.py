@@ -1,0 +1,109 @@
+"""Where a collective's time goes, on one GPU: host time per call against device time per call (from a CUDA
+graph of the same calls), a profile of the host side, and the pull kernel's bandwidth against copy_ over tile
+size, warps and programs per SM. A developer's tool for tuning `ops/_collective.py`; prints plain text.
+
+    python scripts/diagnose_collectives.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+import parallelkittens as pk
+
+
+def _device_us(fn, calls: int = 20) -> float:
+    """Device time per call: `calls` calls captured in one CUDA graph, replayed."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 5
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / (reps * calls)
+
+
+def _host_us(fn, calls: int = 300) -> float:
+    """Wall time per call when calls are issued back to back (the host's share when it exceeds the device's)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return issued * 1e6 / calls
+
+
+def _rank() -> None:
+    from parallelkittens.ops._collective import Copy, Workspace
+
+    dev = pk.context().device
+    print("== per call, microseconds: host issue time vs device time (CUDA graph)")
+    for nbytes in (4096, 1 << 20, 64 << 20):
+        n = nbytes // 2
+        x = pk.empty(n, torch.bfloat16, name="diag.x")
+        x.local.normal_()
+        src, dst = torch.randn(n, device=dev, dtype=torch.bfloat16), torch.empty(n, device=dev, dtype=torch.bfloat16)
+        for name, fn in [("all_reduce", lambda: pk.ops.all_reduce(x.local)),  # noqa: B023
+                         ("all_gather", lambda: pk.ops.all_gather(x.local)),  # noqa: B023
+                         ("copy_", lambda: dst.copy_(src))]:  # noqa: B023
+            print(f"{name:>12} {nbytes:>10} B  host {_host_us(fn):8.1f}  device {_device_us(fn):8.1f}")
+        x.free()
+
+    print("== host profile: 300 calls of all_reduce on 4 KB")
+    x = pk.empty(2048, torch.bfloat16, name="diag.x")
+    x.local.normal_()
+    pk.ops.all_reduce(x.local)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        pk.ops.all_reduce(x.local)
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
+    print(text.getvalue()[-6000:])
+    x.free()
+
+    print("== pull kernel, 1 GiB bf16 copy at world 1: GB/s (algbw) and fraction of copy_")
+    n = 1 << 29
+    src = pk.empty(n, torch.bfloat16, name="diag.src")
+    src.local.normal_()
+    out = torch.empty(n, device=dev, dtype=torch.bfloat16)
+    ref = torch.empty_like(out)
+    copy_ms = _device_us(lambda: ref.copy_(src.local), 3) / 1000
+    print(f"copy_ {2 * n / copy_ms / 1e6:7.0f} GB/s")
+    for per_sm in (1, 2, 4, 8):
+        for tile_bytes in (8192, 16384, 32768):
+            for warps in (4, 8):
+                ws = Workspace(f"diag{per_sm}.{tile_bytes}.{warps}", per_sm, tile_bytes, warps)
+                move = Copy((1, 1, 1), n, (0, 0, 0), (0, 0, 0))
+                red = Copy((1, 1, 1), n, (0, 0, 0), (0, 0, 0), reduce=True)
+                ms = _device_us(lambda: ws.pull(src.local, src.handle, out, move, 7), 3) / 1000  # noqa: B023
+                ms_r = _device_us(lambda: ws.pull(src.local, src.handle, out, red, 7), 3) / 1000  # noqa: B023
+                print(f"per_sm {per_sm} tile {tile_bytes:>6} B warps {warps}: copy {2 * n / ms / 1e6:7.0f} GB/s "
+                      f"({copy_ms / ms:.3f})  reduce {2 * n / ms_r / 1e6:7.0f} GB/s ({copy_ms / ms_r:.3f})")
+                ws.counters.free()
+                ws.meta.free()
+    torch.testing.assert_close(out.float(), src.local.float())
+    src.free()
+
+
+if __name__ == "__main__":
+    pk.spawn(_rank, 1, backend="cuda", timeout=600)

@@ -1,0 +1,42 @@
+"""Sweep the GEMM core's configurations over the benchmark's shapes on one GPU and print TFLOP/s beside cuBLAS,
+best first per shape. A developer's tool for choosing `ops.matmul.default_config`.
+
+    python scripts/tune_matmul.py
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+import parallelkittens as pk
+from parallelkittens.bench.matmul import SHAPES
+from parallelkittens.ops.matmul import MatmulConfig, matmul
+
+CONFIGS = [MatmulConfig(bm, bn, bk, 8, stages, warps, flatten) for bm, bn, bk, stages, warps, flatten in [
+    (128, 256, 64, 3, 8, False), (128, 256, 64, 3, 8, True), (128, 256, 64, 4, 8, False), (128, 256, 64, 4, 8, True),
+    (128, 128, 64, 5, 4, False), (128, 128, 64, 5, 4, True), (128, 128, 64, 4, 8, True), (64, 256, 64, 4, 4, True)]]
+
+
+def _rank() -> None:
+    for M, N, K in SHAPES:
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * M * N * K
+        cublas = flops / triton.testing.do_bench(lambda: torch.matmul(a, b), return_mode="median") / 1e9  # noqa: B023
+        results = []
+        for cfg in CONFIGS:
+            try:
+                ms = triton.testing.do_bench(lambda: matmul(a, b, cfg), return_mode="median")  # noqa: B023
+                results.append((flops / ms / 1e9, cfg))
+            except Exception as e:  # out of shared memory and the like: say so and go on
+                print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
+        results.sort(key=lambda r: -r[0])
+        print(f"{M}x{N}x{K}: cuBLAS {cublas:.0f} TFLOP/s", flush=True)
+        for tflops, cfg in results[:4]:
+            print(f"   {tflops:6.0f} ({tflops / cublas:.3f})  {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
+                  f"stages {cfg.num_stages} warps {cfg.num_warps} flatten {cfg.flatten}", flush=True)
+
+
+if __name__ == "__main__":
+    pk.spawn(_rank, 1, backend="cuda", timeout=600)
