@@ -16,13 +16,19 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("name", help="which benchmark (see --list)", nargs="?")
     bench.add_argument("--list", action="store_true", help="list the benchmarks")
     bench.add_argument("--out", default="bench/results", help="folder for the JSON results")
+    bench.add_argument("--plot", metavar="JSON", help="draw the PNG of an earlier result (needs matplotlib)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
 
         return run(args.ranks, args.backend)
-    from .bench import BENCHMARKS, run_benchmark
+    from .bench import BENCHMARKS, plot_record, run_benchmark
 
+    if args.plot:
+        import json
+
+        with open(args.plot) as f:
+            return 0 if plot_record(json.load(f), args.plot.removesuffix(".json") + ".png") else 1
     if args.list or not args.name:
         print("\n".join(f"{name:<15} {fn.__doc__.splitlines()[0]}" for name, fn in BENCHMARKS.items()))
         return 0

@@ -176,6 +176,49 @@ def test_crash_leaves_no_files():
     # the fixture checks /dev/shm and children
 
 
+def _sleep_forever() -> None:
+    time.sleep(600)
+
+
+_ORPHAN_PARENT = """
+import os, sys, parallelkittens as pk, test_runtime
+print(os.getpid(), flush=True)
+pk.spawn(test_runtime._sleep_forever, 2, backend="cpu")
+"""
+
+
+def test_ranks_die_with_a_killed_parent():
+    """A parent killed outright (a CI timeout, kill -9) takes its ranks with it: none is left running."""
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(__file__), env=dict(os.environ, PYTHONPATH=os.path.dirname(__file__)))
+    try:
+        pid = int(parent.stdout.readline())
+        deadline = time.monotonic() + 60
+        ranks: list[int] = []
+        while len(ranks) < 2 and time.monotonic() < deadline:
+            ranks = [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+            time.sleep(0.2)
+        assert len(ranks) >= 2, f"the parent started {ranks}"
+        time.sleep(2)  # let the ranks reach fn
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{r}") and "Z" not in _state(r) for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [r for r in ranks if os.path.exists(f"/proc/{r}") and "Z" not in _state(r)]
+    for r in alive:
+        os.kill(r, signal.SIGKILL)
+    assert not alive, f"ranks {alive} outlived their parent"
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
 def _expect_error(fn, *args) -> str:
     try:
         fn(*args)

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 
 from .collectives import bench_collective, plot
-from .fused import bench_fused
+from .fused import bench_fused, plot_fused
 from .matmul import bench_matmul
 from .runtime import bench_runtime
 
@@ -59,6 +59,21 @@ def environment(world_size: int) -> dict:
     }
 
 
+def plot_record(record: dict, path: str) -> bool:
+    """Draw a result's PNG (bandwidth against size for collectives, TFLOP/s against N for fused GEMMs) when
+    matplotlib is installed; returns whether it wrote one."""
+    name = record["benchmark"]
+    if name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        done = plot(name, record, path)
+    elif name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
+        done = plot_fused(name, record, path)
+    else:
+        return False
+    if done:
+        print(f"wrote {path}")
+    return done
+
+
 def run_benchmark(name: str, out_dir: str) -> int:
     """Run benchmark `name`, print its table, write ``<out_dir>/<name>-w<world>-<date>.json``."""
     import torch
@@ -78,7 +93,6 @@ def run_benchmark(name: str, out_dir: str) -> int:
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     print(f"wrote {path}")
-    if name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") and plot(name, record, path[:-5] + ".png"):
-        print(f"wrote {path[:-5]}.png")
+    plot_record(record, path[:-5] + ".png")
     ok = all(row.get("pass", True) for row in record.get("rows", [])) and record.get("goal", {}).get("pass", True)
     return 0 if ok else 1

@@ -188,9 +188,12 @@ def plot(name: str, record: dict, path: str) -> bool:
     factor = factor or 1.0  # at one rank, plot algorithm bandwidth
     fig, ax = plt.subplots(figsize=(7, 4))
     sizes = [r["size"] for r in rows]
-    for key, label in [("ours_ms", "parallelkittens"), ("ours_plain_tensor_ms", "parallelkittens, staged"),
-                       ("torch_distributed_ms", "torch.distributed"), ("symm_mem_one_shot_ms", "symm_mem one_shot"),
-                       ("symm_mem_two_shot_ms", "symm_mem two_shot")]:
+    lines = [("ours_ms", "parallelkittens"), ("ours_plain_tensor_ms", "parallelkittens, staged"),
+             ("torch_distributed_ms", "torch.distributed"), ("symm_mem_one_shot_ms", "symm_mem one_shot"),
+             ("symm_mem_two_shot_ms", "symm_mem two_shot")]
+    if world == 1:
+        lines.append(("copy_ms", "torch copy_ (the one-rank ceiling)"))
+    for key, label in lines:
         points = [(s, s / r[key] / 1e6 * factor) for s, r in zip(sizes, rows, strict=True) if r.get(key)]
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", label=label)

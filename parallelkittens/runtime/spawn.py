@@ -30,7 +30,21 @@ DEFAULT_TIMEOUT_S = 300.0
 _GRACE_S = 1.0  # after the first failure, how long other ranks may take to report their own errors
 
 
-def _rank_main(fn: Callable, args: tuple, rank: int, env: dict[str, str], conn) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this rank when the process that spawned it dies (killed by a timeout or Ctrl-C
+    twice, say), so that no orphaned rank is left spinning in a kernel on a shared GPU. Linux only."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the request took hold
+        os._exit(1)
+
+
+def _rank_main(fn: Callable, args: tuple, rank: int, env: dict[str, str], conn, parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
     os.environ.update(env)
     _context._CTX = None  # a forked rank must not inherit a context
     try:
@@ -102,7 +116,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
                 "PK_JOIN_TIMEOUT": os.environ.get("PK_JOIN_TIMEOUT", str(min(timeout, 60.0))),
             }
             parent_conn, child_conn = mpc.Pipe(duplex=False)
-            proc = mpc.Process(target=_rank_main, args=(fn, args, rank, env, child_conn), daemon=True,
+            proc = mpc.Process(target=_rank_main, args=(fn, args, rank, env, child_conn, os.getpid()),
+                               daemon=True,
                                name=f"pk-rank-{rank}")
             proc.start()
             child_conn.close()
