@@ -17,7 +17,7 @@ from collections.abc import Callable
 from .collectives import bench_collective, plot
 from .fused import bench_fused, plot_fused
 from .matmul import bench_matmul
-from .runtime import bench_runtime
+from .runtime import bench_p2p, bench_runtime
 
 
 def _collective(name: str) -> Callable[[], dict]:
@@ -38,6 +38,7 @@ def _fused(name: str) -> Callable[[], dict]:
 
 BENCHMARKS: dict[str, Callable[[], dict]] = {
     "runtime": bench_runtime,
+    "p2p": bench_p2p,
     "matmul": bench_matmul,
     **{name: _collective(name) for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")},
     **{name: _fused(name) for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")},

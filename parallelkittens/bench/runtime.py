@@ -17,16 +17,14 @@ GIB = 1 << 30
 
 
 @triton.jit
-def _copy_store_kernel(src_ptr, dst_ptr, h, n, BLOCK: tl.constexpr):
-    peer = pkl.rank(h)
+def _copy_store_kernel(src_ptr, dst_ptr, h, n, peer, BLOCK: tl.constexpr):
     for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         pkl.store(dst_ptr + offs, tl.load(src_ptr + offs), h, peer)
 
 
 @triton.jit
-def _copy_tma_kernel(src_ptr, dst_ptr, h, rows, COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    peer = pkl.rank(h)
+def _copy_tma_kernel(src_ptr, dst_ptr, h, rows, peer, COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     src = tl.make_tensor_descriptor(src_ptr, [rows, COLS], [COLS, 1], [BM, BN])
     dst = pkl.peer_descriptor(dst_ptr, h, peer, [rows, COLS], [COLS, 1], [BM, BN])
     tiles_n = COLS // BN
@@ -41,35 +39,77 @@ def _barrier_loop_kernel(counter_ptr, h, ROUNDS: tl.constexpr):
         pkl.barrier_all(counter_ptr, h)
 
 
+def _peer_paths(src: torch.Tensor, dst, peer: int, n: int, ms_ref: float) -> list[dict]:
+    """Copy `src` (n bf16) into rank `peer`'s part of `dst` through each peer path: rows of ms, GB/s, ratio to
+    `ms_ref` and whether the copy was exact."""
+    sms = torch.cuda.get_device_properties(src.device).multi_processor_count
+    variants = {
+        "pkl.store (register), 4096/program, 4 per SM": lambda: _copy_store_kernel[(4 * sms,)](
+            src, dst.local, dst.handle, n, peer, BLOCK=4096, num_warps=4),
+        "pkl.store (register), 8192/program, 2 per SM, 8 warps": lambda: _copy_store_kernel[(2 * sms,)](
+            src, dst.local, dst.handle, n, peer, BLOCK=8192, num_warps=8),
+        "peer_descriptor (TMA), 64x256 tiles, 1 per SM": lambda: _copy_tma_kernel[(sms,)](
+            src, dst.local, dst.handle, n // 4096, peer, COLS=4096, BM=64, BN=256, num_warps=4),
+        "peer_descriptor (TMA), 128x128 tiles, 2 per SM": lambda: _copy_tma_kernel[(2 * sms,)](
+            src, dst.local, dst.handle, n // 4096, peer, COLS=4096, BM=128, BN=128, num_warps=4),
+    }
+    rows = []
+    for name, launch in variants.items():
+        dst.peer(peer).fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        exact = torch.equal(dst.peer(peer), src)
+        ms = triton.testing.do_bench(launch, return_mode="median")
+        rows.append({"name": name, "ms": ms, "GB/s": 2 * GIB / ms / 1e6, "vs copy_": ms_ref / ms, "correct": exact})
+    return rows
+
+
+def _p2p_rank() -> dict:
+    """Rank 0 writes 1 GiB into rank 1's buffer on the other GPU; rank 1 waits. Bandwidth counts bytes moved."""
+    import parallelkittens as pk
+
+    ctx = pk.context()
+    n = GIB // 2
+    dst = pk.empty(n, torch.bfloat16, name="bench.p2p")
+    rows = []
+    if ctx.rank == 0:
+        src = torch.randn(n, device=ctx.device, dtype=torch.bfloat16)
+        other = torch.empty(n, device=torch.device("cuda", 1), dtype=torch.bfloat16)
+        ms_copy = triton.testing.do_bench(lambda: other.copy_(src), return_mode="median")
+        rows.append({"name": "torch copy_ cuda:0 -> cuda:1 (copy engine)", "ms": ms_copy, "GB/s": GIB / ms_copy / 1e6})
+        rows += _peer_paths(src, dst, 1, n, ms_copy)
+        for row in rows[1:]:
+            row["GB/s"] /= 2  # one GPU's link: bytes moved, not read plus written
+    pk.sync()
+    dst.free()
+    return {"rows": rows}
+
+
+def bench_p2p() -> dict:
+    """Peer-to-peer bandwidth between two GPUs (issue 5's interconnect note): torch copy_ beside our paths."""
+    import parallelkittens as pk
+
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("bench p2p needs two GPUs")
+    result = pk.spawn(_p2p_rank, 2, backend="cuda")[0]
+    print(f"{'what':<50} {'time':>12} {'GB/s':>8} {'vs copy_':>9}")
+    for row in result["rows"]:
+        ratio = f"{row['vs copy_']:.3f}" if "vs copy_" in row else ""
+        print(f"{row['name']:<50} {row['ms']:>9.3f} ms {row['GB/s']:>8.0f} {ratio:>9}")
+    return {"world_size": 2, **result}
+
+
 def _bench_rank() -> dict:
     import parallelkittens as pk
 
     ctx = pk.context()
-    sms = pk.num_sms()
     n = GIB // 2  # bf16 elements in 1 GiB
     src = torch.randn(n, device=ctx.device, dtype=torch.bfloat16)
     dst = pk.empty(n, torch.bfloat16, name="bench.dst")
     plain = torch.empty_like(src)
     ms_copy = triton.testing.do_bench(lambda: plain.copy_(src), return_mode="median")
     rows = [{"name": "torch copy_", "ms": ms_copy, "GB/s": 2 * GIB / ms_copy / 1e6}]
-    variants = {
-        "pkl.store (register), 4096/program, 4 per SM": lambda: _copy_store_kernel[(4 * sms,)](
-            src, dst.local, dst.handle, n, BLOCK=4096, num_warps=4),
-        "pkl.store (register), 8192/program, 2 per SM, 8 warps": lambda: _copy_store_kernel[(2 * sms,)](
-            src, dst.local, dst.handle, n, BLOCK=8192, num_warps=8),
-        "peer_descriptor (TMA), 64x256 tiles, 1 per SM": lambda: _copy_tma_kernel[(sms,)](
-            src, dst.local, dst.handle, n // 4096, COLS=4096, BM=64, BN=256, num_warps=4),
-        "peer_descriptor (TMA), 128x128 tiles, 2 per SM": lambda: _copy_tma_kernel[(2 * sms,)](
-            src, dst.local, dst.handle, n // 4096, COLS=4096, BM=128, BN=128, num_warps=4),
-    }
-    for name, launch in variants.items():
-        dst.local.fill_(float("nan"))
-        launch()
-        torch.cuda.synchronize()
-        exact = torch.equal(dst.local, src)
-        ms = triton.testing.do_bench(launch, return_mode="median")
-        ratio = ms_copy / ms
-        rows.append({"name": name, "ms": ms, "GB/s": 2 * GIB / ms / 1e6, "vs copy_": ratio, "correct": exact})
+    rows += _peer_paths(src, dst, ctx.rank, n, ms_copy)
     best = max(r["vs copy_"] for r in rows[1:])
     rows.append({"name": "best peer path vs copy_ (goal >= 0.90)", "vs copy_": best,
                  "pass": best >= 0.90 and all(r["correct"] for r in rows[1:])})
