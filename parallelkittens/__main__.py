@@ -28,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         import json
 
         with open(args.plot) as f:
-            return 0 if plot_record(json.load(f), args.plot.removesuffix(".json") + ".png") else 1
+            if plot_record(json.load(f), args.plot.removesuffix(".json") + ".png"):
+                return 0
+        print("no plot: this benchmark has none, or matplotlib is not installed", file=sys.stderr)
+        return 1
     if args.list or not args.name:
         print("\n".join(f"{name:<15} {fn.__doc__.splitlines()[0]}" for name, fn in BENCHMARKS.items()))
         return 0

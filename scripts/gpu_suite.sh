@@ -54,3 +54,4 @@ echo "== summary ($GPUS GPU(s), worlds $PK_TEST_WORLDS) =="
 [ -f "$OUT/demo.log" ] && grep -E "^[a-z_.+ ]+ +(cuda|cuda-shared) |passed" "$OUT/demo.log"
 [ -f "$OUT/bench.log" ] && grep -vE "^wrote|\[#" "$OUT/bench.log" | grep -E "^==|GB/s|us |ms |^ +[0-9]+ " || true
 printf '%s\n' "${status[@]}"
+! printf '%s\n' "${status[@]}" | grep -qv "rc=0 "  # exit 1 when any stage failed

@@ -189,8 +189,10 @@ pk.spawn(test_runtime._sleep_forever, 2, backend="cpu")
 
 def test_ranks_die_with_a_killed_parent():
     """A parent killed outright (a CI timeout, kill -9) takes its ranks with it: none is left running."""
-    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT], stdout=subprocess.PIPE, text=True,
-                              cwd=os.path.dirname(__file__), env=dict(os.environ, PYTHONPATH=os.path.dirname(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, os.path.dirname(here)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT], stdout=subprocess.PIPE, text=True, cwd=here,
+                              env=dict(os.environ, PYTHONPATH=path))
     try:
         pid = int(parent.stdout.readline())
         deadline = time.monotonic() + 60

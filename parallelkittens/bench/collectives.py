@@ -24,13 +24,15 @@ HEADS, HEAD_DIM = 32, 128
 
 
 def _timeit(fn, nbytes: int) -> float:
-    """Milliseconds per call, back to back: the same iteration count on every rank (at least 20, so one slow
-    first launch weighs little), a barrier first, CUDA events around the loop. A GPU sleep queued before the
-    start event keeps the GPU busy while the host queues the first calls, so the time is the device's whenever
-    the device is the bottleneck (as nccl-tests measure); when the host is, the host's time shows."""
+    """Milliseconds per call, back to back: the same iteration count on every rank (20 or more unless
+    PK_BENCH_MAX_ITERS says fewer, so that one slow first launch weighs little), a barrier first, CUDA events
+    around the loop. A GPU sleep of about 1 ms queued before the start event keeps the GPU busy while the host
+    queues the first calls, so the time is the device's whenever the device is the bottleneck (as nccl-tests
+    measure). When the host is, its time shows, less the sleep spread over the calls (1 ms / iterations: 5 µs
+    at 200 calls), for every column alike."""
     import parallelkittens as pk
 
-    iters = max(20, min(int(os.environ.get("PK_BENCH_MAX_ITERS", "200")), (16 << 30) // max(nbytes, 1)))
+    iters = min(int(os.environ.get("PK_BENCH_MAX_ITERS", "200")), max(20, (16 << 30) // max(nbytes, 1)))
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -168,7 +170,7 @@ def bench_collective(name: str, dtype: str = "bfloat16") -> dict:
 
 def _goal(rows: list[dict], world: int) -> dict:
     """Issue 3's goals as measured: at one rank, the data path against copy_ at the largest sizes."""
-    if world == 1:  # the bandwidth regime: from 256 MB, where copy_ itself runs at full speed
+    if world == 1:  # the bandwidth regime: from 256 MB, where a call's fixed costs (host ~50-100 µs) weigh little
         large = [r["vs_copy"] for r in rows if r["size"] >= 256 << 20]
         return {"data_path_vs_copy_min_256MB_up": min(large), "target": 0.85, "pass": min(large) >= 0.85}
     return {"min_vs_torch_distributed": min(r["vs_torch_distributed"] for r in rows)}

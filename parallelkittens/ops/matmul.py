@@ -12,6 +12,7 @@ Reference point (digest §15.3, one H200): a plain persistent Triton GEMM with d
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -58,12 +59,17 @@ def default_config(dtype: torch.dtype = torch.bfloat16) -> MatmulConfig:
 def matmul_config(M: int, N: int, dtype: torch.dtype) -> MatmulConfig:
     """The plain GEMM's tiles, from a sweep on an H200 (scripts/tune_matmul.py): the flattened loop wins or
     ties everywhere; when 128x256 tiles would leave SMs idle, 128x128 tiles with 5 stages and 4 warps win."""
-    cfg = default_config(dtype)
     if context().device.type != "cuda":
-        return cfg
-    if triton.cdiv(M, 128) * triton.cdiv(N, 256) < num_sms():
+        return default_config(dtype)
+    return _gpu_matmul_config(triton.cdiv(M, 128) * triton.cdiv(N, 256) < num_sms(), dtype)
+
+
+@functools.cache  # a call's host cost matters for small GEMMs: build each configuration once
+def _gpu_matmul_config(few_tiles: bool, dtype: torch.dtype) -> MatmulConfig:
+    cfg = MatmulConfig(block_k=32 if dtype == torch.float32 else 64, flatten=True)
+    if few_tiles:
         cfg = replace(cfg, block_n=128, num_stages=5 if dtype != torch.float32 else 4, num_warps=4)
-    return replace(cfg, flatten=True)
+    return cfg.validate()
 
 
 def reference_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -152,10 +158,12 @@ def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) 
 
 
 def prepare(op: str, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None,
-            num_comm_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor, MatmulConfig]:
+            num_comm_sms: int | None = None, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor, MatmulConfig]:
     """Check the operands (and `num_comm_sms`) on this rank before anything collective; return contiguous
-    operands and the validated configuration."""
+    operands and the validated configuration (with `plain`, the plain GEMM's choice for this shape)."""
     check_operands(op, a, b)
+    if config is None and plain:
+        return a.contiguous(), b.contiguous(), matmul_config(a.shape[0], b.shape[1], a.dtype)
     if num_comm_sms is not None and not 1 <= num_comm_sms < num_sms():
         raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
     return a.contiguous(), b.contiguous(), (config or default_config(a.dtype)).validate()
@@ -163,7 +171,7 @@ def prepare(op: str, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | No
 
 def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:
     """a @ b with the persistent descriptor GEMM: (M, K) @ (K, N) -> (M, N), fp32 accumulation. Not collective."""
-    a, b, cfg = prepare("matmul", a, b, config or matmul_config(a.shape[0], b.shape[1], a.dtype))
+    a, b, cfg = prepare("matmul", a, b, config, plain=True)
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)

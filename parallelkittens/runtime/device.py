@@ -15,11 +15,17 @@ def _cuda_sms(index: int) -> int:
 
 def num_sms() -> int:
     """Programs a persistent kernel may launch at once on this rank's device: its SM count on a GPU, or this
-    rank's share of it when several ranks share the GPU (backend ``cuda-shared``): their persistent kernels wait
-    on each other, so all of them must be resident at once. Under the interpreter PK_INTERPRET_SMS (default 4),
+    rank's share of it when several ranks share the GPU (backend ``cuda-shared``). Those ranks' persistent
+    kernels wait on each other: without MPS the GPU time-slices between them, and with MPS they run side by
+    side, which is safe only if all of them fit at once. Under the interpreter PK_INTERPRET_SMS (default 4),
     since every program runs on its own thread there."""
     ctx = context()
     if ctx.device.type == "cuda":
-        sharing = -(-ctx.local_world_size // torch.cuda.device_count()) if ctx.backend == "cuda-shared" else 1
-        return max(1, _cuda_sms(ctx.device.index) // sharing)
+        return _cuda_share(ctx.device.index, ctx.backend, ctx.local_world_size)
     return int(os.environ.get("PK_INTERPRET_SMS", "4"))
+
+
+@functools.cache  # called on every GEMM launch: ask the driver once
+def _cuda_share(index: int, backend: str, local_world_size: int) -> int:
+    sharing = -(-local_world_size // torch.cuda.device_count()) if backend == "cuda-shared" else 1
+    return max(1, _cuda_sms(index) // sharing)

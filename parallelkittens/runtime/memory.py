@@ -142,7 +142,7 @@ def owner_of(t: torch.Tensor) -> ParallelTensor | None:
     """The live parallel tensor whose whole local buffer `t` is (same start, shape and dtype), if any."""
     pt = _by_address.get(t.data_ptr())  # a dictionary, not a scan: this runs on every collective call
     if pt is not None and pt._peers is not None and pt.local.shape == t.shape and pt.local.dtype == t.dtype \
-            and t.is_contiguous():
+            and pt.local.device == t.device and t.is_contiguous():
         return pt
     return None
 

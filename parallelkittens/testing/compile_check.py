@@ -96,6 +96,11 @@ def _kernels():
                           "num_comm": "i32", "BM": "constexpr", "BN": "constexpr"},
                          {"BM": 32, "BN": 64}),
     }
+    narrow = {**GEMM, "BN": 128, "STAGES": 5, "FLATTEN": True}  # matmul_config's choice when tiles are few
+    kernels["matmul_narrow"] = (_matmul_kernel, kernels["matmul"][1], narrow)
+    kernels["matmul_narrow_fp32"] = (_matmul_kernel, {k: "*fp32" if v == "*bf16" else v
+                                                      for k, v in kernels["matmul"][1].items()},
+                                     {**narrow, "BK": 32, "STAGES": 4})
     for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul", "matmul_all_reduce"):  # fp32 (tf32) tiles
         fn, signature, constexprs = kernels[name]
         kernels[name + "_fp32"] = (fn, {k: "*fp32" if v == "*bf16" else v for k, v in signature.items()},
