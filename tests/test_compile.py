@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-SIGNALLING = ("signal_wait", "signal_all", "barrier_all", "lcsc_example", "collective_pull", "collective_pull_copy")
+SIGNALLING = ("signal_wait", "signal_all", "barrier_all", "lcsc_example", "collective_pull", "collective_pull_copy",
+              "agreement")
 
 
 def _markers(debug: str) -> dict:

@@ -138,3 +138,53 @@ def _changing_shapes() -> list[str]:
 def test_buffers_are_reused_across_shapes():
     for rank, failures in enumerate(pk.spawn(_changing_shapes, 2)):
         assert not failures, f"rank {rank}: {failures}"
+
+
+def _device_side_mismatch() -> list[str]:
+    """Without PK_DEBUG's host check, ranks that call a fused op with different shapes skip it on the device and
+    get MismatchError on every rank; the op works again afterwards."""
+    ctx = pk.context()
+    world, me, dev = ctx.local_world_size, ctx.local_rank, ctx.device
+
+    def ones(*shape):
+        return torch.ones(shape, device=dev, dtype=torch.float16)
+
+    out = []
+    ctx.debug = False  # skip the host-side comparison
+    try:
+        for name, call in [
+            ("all_gather_matmul", lambda: all_gather_matmul(ones(8 + 8 * me, 16), ones(16, 24), num_comm_sms=1)),
+            ("matmul_reduce_scatter",
+             lambda: matmul_reduce_scatter(ones(8 * world, 16 + 8 * me), ones(16 + 8 * me, 24))),
+            ("matmul_all_reduce", lambda: matmul_all_reduce(ones(16, 16), ones(16, 24 + 8 * me), num_comm_sms=1)),
+        ]:
+            try:
+                call()
+                pk.sync()
+                out.append(f"{name}: no error")
+            except pk.PKError as e:
+                out.append(f"{name}: {type(e).__name__}: {e}")
+    finally:
+        ctx.debug = True
+    seed = shared_seed()
+    a_parts = [rank_data((8 * world, 16), torch.float16, seed, r) for r in range(world)]
+    b_parts = [rank_data((16, 24), torch.float16, seed, 50 + r) for r in range(world)]
+    for what, result, ref in [
+        ("all_gather_matmul", all_gather_matmul(a_parts[me], b_parts[0], num_comm_sms=1),
+         reference_all_gather_matmul(a_parts, b_parts[0])),
+        ("matmul_reduce_scatter", matmul_reduce_scatter(a_parts[me], b_parts[me]),
+         reference_matmul_reduce_scatter(a_parts, b_parts, me)),
+        ("matmul_all_reduce", matmul_all_reduce(a_parts[me], b_parts[me], num_comm_sms=1),
+         reference_matmul_all_reduce(a_parts, b_parts)),
+    ]:
+        out.append(f"{what} afterwards: relative error {relative_error(result, ref):.1e}")
+    pk.sync()
+    return out
+
+
+def test_device_side_mismatch_is_reported_not_hung():
+    for msgs in pk.spawn(_device_side_mismatch, 3):
+        for op, msg in zip(("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"), msgs, strict=False):
+            assert msg.startswith(f"{op}: MismatchError") and f"{op} with" in msg, msg
+        for msg in msgs[3:]:
+            assert float(msg.rsplit(" ", 1)[1]) <= BOUND[torch.float16], msg

@@ -54,6 +54,28 @@ def _record_mismatch(h, theirs, mine):
         tl.store(record + 5, tl.program_id(0).to(tl.int64))
 
 
+@triton.jit(do_not_specialize=["sig"])
+def _agree_kernel(ctr_ptr, hc, slots_ptr, hs, skip_ptr, sig):
+    """One program per rank: every rank's signature into a slot of every rank; if any differs, record a
+    MismatchError and tell this rank's kernels to skip. Every rank sees the same slots, so all skip together."""
+    me = pkl.rank(hc)
+    world = pkl.world_size(hc)
+    epoch = tl.load(ctr_ptr) + 1
+    slot = slots_ptr + (epoch % 2) * world  # two sets of slots: a peer may already be one call ahead
+    for r in range(world):
+        pkl.store(slot + me, sig, hs, r)
+    pkl.signal_all(ctr_ptr + 1, hc)
+    pkl.wait_at_least(ctr_ptr + 1, world * epoch, hc)
+    mismatch = tl.zeros([], tl.int64)
+    for r in range(world):
+        theirs = tl.load(slot + r, volatile=True)
+        mismatch = tl.where(theirs != sig, theirs, mismatch)
+    if mismatch != 0:
+        _record_mismatch(hc, mismatch, sig)
+    tl.store(skip_ptr, (mismatch != 0).to(tl.int32))
+    tl.store(ctr_ptr, epoch)
+
+
 @triton.jit
 def _within(mask, offsets, limit, LIMIT: tl.constexpr):
     # Only the two-shot all_reduce needs the bound; elsewhere leaving it out keeps the mask constant over
@@ -230,6 +252,33 @@ class Workspace:
             copy.limit, *copy.rows, copy.cols, *copy.src_strides, *copy.dst_strides, copy.src_me, copy.src_r,
             copy.dst_me, copy.dst_r, REDUCE=copy.reduce, BR=br, BC=bc, LIMIT=copy.limit < 2**62,
             num_warps=self.num_warps)
+
+
+class Agreement:
+    """For ops whose kernels exchange data without the pull kernel's protocol (the fused GEMMs): before any data
+    moves, one small kernel compares the call's signature across ranks on the device (`__call__` returns the
+    flag the op's kernels read: nonzero means skip; `pk.sync()` then raises `MismatchError` on every rank), and
+    a barrier counter at a fixed place, so that a finish kernel's barrier never depends on the call's shape."""
+
+    def __init__(self, name: str):
+        ctx = context()
+        self.counters = zeros(3, torch.int32, name=f"{name}.agreement")  # epoch, arrivals, barrier
+        self.slots = zeros(2 * ctx.local_world_size, torch.int64, name=f"{name}.agreement_slots")
+        self.skip = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        self.barrier, self.handle = self.counters.local[2:], self.counters.handle
+
+    def __call__(self, sig: int) -> torch.Tensor:
+        _agree_kernel[(1,)](self.counters.local, self.counters.handle, self.slots.local, self.slots.handle,
+                            self.skip, sig)
+        return self.skip
+
+
+def agreement(name: str) -> Agreement:
+    """The op's `Agreement`, made on first use (collective, like the op itself); it lives in the context."""
+    cache = context().cache
+    if ("agreement", name) not in cache:
+        cache[("agreement", name)] = Agreement(name)
+    return cache[("agreement", name)]
 
 
 def workspace(name: str) -> Workspace:

@@ -5,7 +5,8 @@ gathered A) per task, into every rank's symmetric copy of the gathered A, and si
 every rank. Compute programs start with this rank's own row tiles, which they read straight from the local
 shard with no wait, then go round the other ranks' blocks, waiting for each row chunk's flag before its
 k-loop. A one-program finish kernel zeroes the flags and passes a barrier, so the next call cannot overwrite
-a gathered row a peer is still reading.
+a gathered row a peer is still reading. Before the main kernel, the ranks compare the call on the device
+(`Agreement`): if they disagree, every rank skips it and `pk.sync()` raises `MismatchError`.
 
 Chunks are aligned to the gathered A's rows, so a chunk may hold rows of two ranks when the shard height is
 not a multiple of BM: its flag then expects two signals. Pushes use the register path with masks (any shape);
@@ -21,7 +22,7 @@ import triton.language as tl
 from .. import language as pkl
 from ..runtime.context import context
 from ..template import grid, lcsc
-from ._collective import agree, signature, workspace
+from ._collective import agree, agreement, signature, workspace
 from ._tuning import tuned
 from .matmul import MatmulConfig, mainloop, prepare, store_tile, tile_coords
 
@@ -90,19 +91,20 @@ def _communicator(G, C, task):
 
 @triton.jit(do_not_specialize=["num_comm"])
 def _ag_matmul_kernel(a_ptr, a_full_ptr, b_ptr, c_ptr, flags_ptr, hf, h, m_local, M, N, K, num_tasks,
-                      num_comm_tasks, num_comm, BM: tl.constexpr, BN: tl.constexpr,
+                      num_comm_tasks, num_comm, skip_ptr, BM: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, BK_COPY: tl.constexpr):
     G = (a_ptr, a_full_ptr, b_ptr, c_ptr, flags_ptr, hf, h, m_local, M, N, K)
-    lcsc(G, (BM, BN, BK, GROUP_M, STAGES, BK_COPY), num_tasks, num_comm_tasks, num_comm, None, _consumer, _storer,
-         _communicator)
+    if tl.load(skip_ptr) == 0:  # the ranks agreed on the call (ops/_collective.py: Agreement)
+        lcsc(G, (BM, BN, BK, GROUP_M, STAGES, BK_COPY), num_tasks, num_comm_tasks, num_comm, None, _consumer,
+             _storer, _communicator)
 
 
 @triton.jit
-def _finish_kernel(flags_ptr, barrier_ptr, hf, num_flags, BLOCK: tl.constexpr):
+def _finish_kernel(flags_ptr, barrier_ptr, hb, num_flags, BLOCK: tl.constexpr):
     for start in range(0, num_flags, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         tl.store(flags_ptr + offs, 0, mask=offs < num_flags)
-    pkl.barrier_all(barrier_ptr, hf)
+    pkl.barrier_all(barrier_ptr, hb)
 
 
 def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
@@ -125,7 +127,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     ws = workspace(op)
     a_full, a_full_handle = ws.view((M, K), a.dtype, slot=0)  # the gathered A
     num_chunks = triton.cdiv(M, cfg.block_m)
-    flags, flags_handle = ws.view((num_chunks + 1,), torch.int32, slot=1, zero=True)  # per chunk, then a barrier
+    flags, flags_handle = ws.view((num_chunks,), torch.int32, slot=1, zero=True)  # one per row chunk
     if world == 1:
         num_comm = 0
     elif num_comm_sms is None:
@@ -139,12 +141,14 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
         return c
+    agreed = agreement(op)
+    skip = agreed(sig)
     _ag_matmul_kernel[grid(tiles, num_comm)](
         a, a_full, b, c, flags, flags_handle, a_full_handle, m_local, M, N, K, tiles,
-        num_comm_tasks, num_comm=num_comm, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, BK_COPY=min(64, triton.next_power_of_2(K)), num_warps=cfg.num_warps)
+        num_comm_tasks, num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        GROUP_M=cfg.group_m, STAGES=cfg.num_stages, BK_COPY=min(64, triton.next_power_of_2(K)), num_warps=cfg.num_warps)
     if world > 1:
-        _finish_kernel[(1,)](flags, flags[num_chunks:], flags_handle, num_chunks, BLOCK=256)
+        _finish_kernel[(1,)](flags, agreed.barrier, agreed.handle, num_chunks, BLOCK=256)
     return c
 
 

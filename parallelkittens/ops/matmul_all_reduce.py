@@ -4,7 +4,9 @@ Schedule (inter-SM). Compute programs store each fp32 partial tile into this ran
 and signal the tile's owner (tile % W). The owner's communicator programs wait until all W partials of a tile
 are in, sum them from every rank (fp32, rank order), and write the rounded result into every rank's output
 buffer, signalling each. A one-program finish kernel waits for every tile of the result, resets the counters
-and passes a barrier. This is the paper's figure 18, with the NVLink-switch reduction replaced by peer reads.
+and passes a barrier. Before the main kernel, the ranks compare the call on the device (`Agreement`): if they
+disagree, every rank skips it and `pk.sync()` raises `MismatchError`. This is the paper's figure 18, with the
+NVLink-switch reduction replaced by peer reads.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import triton.language as tl
 from .. import language as pkl
 from ..runtime.context import context
 from ..template import grid, lcsc
-from ._collective import agree, signature, workspace
+from ._collective import agree, agreement, signature, workspace
 from ._tuning import tuned
 from .matmul import MatmulConfig, gemm_tile, prepare, store_tile
 
@@ -69,18 +71,20 @@ def _communicator(G, C, task):
 
 @triton.jit(do_not_specialize=["num_comm"])
 def _mm_ar_kernel(a_ptr, b_ptr, part_ptr, h_part, out_ptr, h_out, ctr_ptr, hc, M, N, K, num_tasks, num_comm_tasks,
-                  num_comm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  num_comm, skip_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   GROUP_M: tl.constexpr, STAGES: tl.constexpr, STRIP: tl.constexpr):
     G = (a_ptr, b_ptr, part_ptr, h_part, 0, ctr_ptr, hc, M, N, K, out_ptr, h_out)
-    lcsc(G, (BM, BN, BK, GROUP_M, STAGES, STRIP), num_tasks, num_comm_tasks, num_comm, None, _consumer, _storer,
-         _communicator)
+    if tl.load(skip_ptr) == 0:  # the ranks agreed on the call (ops/_collective.py: Agreement)
+        lcsc(G, (BM, BN, BK, GROUP_M, STAGES, STRIP), num_tasks, num_comm_tasks, num_comm, None, _consumer,
+             _storer, _communicator)
 
 
 @triton.jit
-def _finish_kernel(ctr_ptr, hc, num_tiles):
-    pkl.wait(ctr_ptr + num_tiles, num_tiles, hc)
+def _finish_kernel(ctr_ptr, hc, num_tiles, skip_ptr, barrier_ptr, hb):
+    if tl.load(skip_ptr) == 0:
+        pkl.wait(ctr_ptr + num_tiles, num_tiles, hc)
     tl.store(ctr_ptr + num_tiles, 0)
-    pkl.barrier_all(ctr_ptr + num_tiles + 1, hc)
+    pkl.barrier_all(barrier_ptr, hb)
 
 
 
@@ -106,16 +110,18 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     ws = workspace(op)
     part, part_handle = ws.view((M, N), torch.float32, slot=0)  # this rank's partial product
     out, out_handle = ws.view((M, N), a.dtype, slot=1)  # the sum, written by every tile's owner
-    ctr, ctr_handle = ws.view((tiles + 2,), torch.int32, slot=2, zero=True)  # per tile, arrivals, barrier
+    ctr, ctr_handle = ws.view((tiles + 1,), torch.int32, slot=2, zero=True)  # per tile, then arrivals
     num_comm = num_comm_sms if num_comm_sms is not None else tuned(
         (op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
         lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))
     owned = len(range(ctx.local_rank, tiles, world))
+    agreed = agreement(op)
+    skip = agreed(sig)
     _mm_ar_kernel[grid(tiles, num_comm)](
         a, b, part, part_handle, out, out_handle, ctr, ctr_handle, M, N, K, tiles, owned,
-        num_comm=num_comm, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, STRIP=min(64, cfg.block_n), num_warps=cfg.num_warps)
-    _finish_kernel[(1,)](ctr, ctr_handle, tiles)
+    _finish_kernel[(1,)](ctr, ctr_handle, tiles, skip, agreed.barrier, agreed.handle)
     return out.clone()  # the buffer is rewritten by the next call
 
 

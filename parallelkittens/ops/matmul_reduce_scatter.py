@@ -5,7 +5,9 @@ at a different row block (the next rank's), so that ranks do not all add into on
 adds each fp32 tile straight into its owner's fp32 accumulator: one tensor-descriptor reduce-add (TMA,
 ``cp.reduce.async.bulk``) when row blocks align with tiles, masked per-element atomics otherwise. After its
 last tile a program signals every rank; a one-program kernel waits for all programs of all ranks, then the
-accumulator is rounded into the output, zeroed for the next call, and a barrier closes the call.
+accumulator is rounded into the output, zeroed for the next call, and a barrier closes the call. Before the
+main kernel, the ranks compare the call on the device (`Agreement`): if they disagree, every rank skips it and
+`pk.sync()` raises `MismatchError`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from .. import language as pkl
 from ..runtime.context import context
 from ..runtime.errors import PKError
 from ..template import grid, lcsc
-from ._collective import agree, signature, workspace
+from ._collective import agree, agreement, signature, workspace
 from .barrier import barrier
 from .matmul import MatmulConfig, column_halves, gemm_tile, prepare
 
@@ -60,16 +62,18 @@ def _storer(G, C, task, result):
 
 
 @triton.jit
-def _mm_rs_kernel(a_ptr, b_ptr, acc_ptr, h, hc, ctr_ptr, M, N, K, num_tasks, m_block, BM: tl.constexpr,
+def _mm_rs_kernel(a_ptr, b_ptr, acc_ptr, h, hc, ctr_ptr, M, N, K, num_tasks, m_block, skip_ptr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
                   ALIGNED: tl.constexpr):
     G = (a_ptr, b_ptr, acc_ptr, h, hc, ctr_ptr, M, N, K, num_tasks, m_block)
-    lcsc(G, (BM, BN, BK, GROUP_M, STAGES, ALIGNED), num_tasks, 0, 0, None, _consumer, _storer, None)
+    if tl.load(skip_ptr) == 0:  # the ranks agreed on the call (ops/_collective.py: Agreement)
+        lcsc(G, (BM, BN, BK, GROUP_M, STAGES, ALIGNED), num_tasks, 0, 0, None, _consumer, _storer, None)
 
 
 @triton.jit
-def _wait_kernel(ctr_ptr, hc, expected):
-    pkl.wait(ctr_ptr, expected, hc)
+def _wait_kernel(ctr_ptr, hc, expected, skip_ptr):
+    if tl.load(skip_ptr) == 0:
+        pkl.wait(ctr_ptr, expected, hc)
     tl.store(ctr_ptr, 0)
 
 
@@ -99,10 +103,11 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     done, done_handle = ws.view((1,), torch.int32, slot=1, zero=True)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     g = grid(tiles, 0)
-    _mm_rs_kernel[g](a, b, acc, acc_handle, done_handle, done, M, N, K, tiles, m_block,
+    skip = agreement(op)(sig)
+    _mm_rs_kernel[g](a, b, acc, acc_handle, done_handle, done, M, N, K, tiles, m_block, skip,
                      BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                      ALIGNED=m_block % cfg.block_m == 0, num_warps=cfg.num_warps)
-    _wait_kernel[(1,)](done, done_handle, world * g[0])
+    _wait_kernel[(1,)](done, done_handle, world * g[0], skip)
     out.copy_(acc)
     acc.zero_()
     barrier()  # nobody adds into an accumulator before its owner has read and zeroed it

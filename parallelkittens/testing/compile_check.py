@@ -31,7 +31,7 @@ MARKERS = {
 
 
 def _kernels():
-    from ..ops._collective import _pull_kernel
+    from ..ops._collective import _agree_kernel, _pull_kernel
     from ..ops.all_gather_matmul import _ag_matmul_kernel
     from ..ops.barrier import _barrier_kernel
     from ..ops.matmul import _matmul_kernel
@@ -66,29 +66,31 @@ def _kernels():
         "tma_store_add": (pc._tma_kernel, {"src_ptr": "*fp32", "y_ptr": "*fp32", "h": i64, "M": "i32", "N": "i32",
                                            "ADD": "constexpr", "BM": "constexpr", "BN": "constexpr"},
                           {"ADD": True, "BM": 64, "BN": 64}),
+        "agreement": (_agree_kernel, {"ctr_ptr": "*i32", "hc": i64, "slots_ptr": "*i64", "hs": i64,
+                                      "skip_ptr": "*i32", "sig": "i64"}, {}),
         "collective_pull": (_pull_kernel, PULL, {"REDUCE": True, "BR": 4, "BC": 1024, "LIMIT": True}, ALIGNED),
         "collective_pull_copy": (_pull_kernel, PULL, {"REDUCE": False, "BR": 1, "BC": 4096, "LIMIT": False},
                                  ALIGNED),
         "all_gather_matmul": (_ag_matmul_kernel, {
             "a_ptr": "*bf16", "a_full_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": "*i32",
             "hf": i64, "h": i64, **{k: "i32" for k in ("m_local", "M", "N", "K", "num_tasks", "num_comm_tasks")},
-            **{k: "constexpr" for k in GEMM}, "num_comm": "i32", "BK_COPY": "constexpr"},
+            **{k: "constexpr" for k in GEMM}, "num_comm": "i32", "skip_ptr": "*i32", "BK_COPY": "constexpr"},
             {**GEMM, "BK_COPY": 64}),
         "matmul_reduce_scatter": (_mm_rs_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*fp32", "h": i64, "hc": i64, "ctr_ptr": "*i32",
-            **{k: "i32" for k in ("M", "N", "K", "num_tasks", "m_block")}, **{k: "constexpr" for k in GEMM},
-            "ALIGNED": "constexpr"}, {**GEMM, "ALIGNED": True}),
+            **{k: "i32" for k in ("M", "N", "K", "num_tasks", "m_block")}, "skip_ptr": "*i32",
+            **{k: "constexpr" for k in GEMM}, "ALIGNED": "constexpr"}, {**GEMM, "ALIGNED": True}),
         "matmul_reduce_scatter_ragged": (_mm_rs_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*fp32", "h": i64, "hc": i64, "ctr_ptr": "*i32",
-            **{k: "i32" for k in ("M", "N", "K", "num_tasks", "m_block")}, **{k: "constexpr" for k in GEMM},
-            "ALIGNED": "constexpr"}, {**GEMM, "ALIGNED": False}),
+            **{k: "i32" for k in ("M", "N", "K", "num_tasks", "m_block")}, "skip_ptr": "*i32",
+            **{k: "constexpr" for k in GEMM}, "ALIGNED": "constexpr"}, {**GEMM, "ALIGNED": False}),
         **{name: (_matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32",
                                    "K": "i32", **{k: "constexpr" for k in GEMM}, "FLATTEN": "constexpr"},
                   {**GEMM, "FLATTEN": flatten}) for name, flatten in (("matmul", False), ("matmul_flat", True))},
         "matmul_all_reduce": (_mm_ar_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*fp32", "h_part": i64, "out_ptr": "*bf16", "h_out": i64,
             "ctr_ptr": "*i32", "hc": i64, **{k: "i32" for k in ("M", "N", "K", "num_tasks", "num_comm_tasks")},
-            **{k: "constexpr" for k in GEMM}, "num_comm": "i32", "STRIP": "constexpr"},
+            **{k: "constexpr" for k in GEMM}, "num_comm": "i32", "skip_ptr": "*i32", "STRIP": "constexpr"},
             {**GEMM, "STRIP": 64}),
         "lcsc_example": (example._scaled_all_gather_kernel,
                          {"x_ptr": "*bf16", "out_ptr": "*bf16", "h": i64, "counters_ptr": "*i32", "hc": i64,
