@@ -36,7 +36,8 @@ from .. import language as pkl
 from ..runtime.context import context
 from ..runtime.device import num_sms
 from ..runtime.errors import SIGNATURES, MismatchError, PKError
-from ..runtime.memory import ParallelTensor, empty, owner_of, zeros
+from ..runtime.memory import ParallelTensor, empty, zeros
+from ..runtime.sizes import next_power_of_2
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MOVE_DTYPES = FLOAT_DTYPES + tuple(d for d in (getattr(torch, "float8_e4m3fn", None),
@@ -157,6 +158,7 @@ class Copy:
     limit: int = 2**62
 
 
+@functools.lru_cache(maxsize=4096)  # pure, and called with the same layouts call after call
 def collapse(shape: tuple[int, ...], src: tuple[int, ...], dst: tuple[int, ...]
              ) -> tuple[tuple[int, int, int], int, tuple[int, int, int], tuple[int, int, int]]:
     """Merge dimensions that are contiguous in both layouts and pad to (3 row dims, 1 column dim); the last
@@ -230,10 +232,9 @@ class Workspace:
         buf = self.staging(nbytes, slot, zero)
         return buf.local[:nbytes].view(dtype).view(shape), buf.handle
 
-    def source(self, x: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pointer tensor, handle) for peers to read `x` from: `x` itself if it is a parallel tensor's local
-        buffer, else a copy in the staging buffer."""
-        pt = owner_of(x)
+    def source(self, x: torch.Tensor, pt: ParallelTensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pointer tensor, handle) for peers to read `x` from: `x` itself if it is the local buffer of `pt`
+        (its `owner_of`, which the op has looked up for its signature), else a copy in the staging buffer."""
         if pt is not None:
             return x, pt.handle
         buf = self.staging(x.numel() * x.element_size())
@@ -244,9 +245,9 @@ class Workspace:
     def pull(self, src: torch.Tensor, handle: torch.Tensor, out: torch.Tensor, copy: Copy, sig: int) -> None:
         """Launch the pull kernel for `copy` from every rank's `src` into `out`."""
         tile = self.tile_bytes // src.element_size()  # elements per tile
-        bc = min(tile, triton.next_power_of_2(max(copy.cols, 16)))
+        bc = min(tile, next_power_of_2(max(copy.cols, 16)))
         rows = math.prod(copy.rows)
-        br = max(1, min(tile // bc, triton.next_power_of_2(rows)))
+        br = max(1, min(tile // bc, next_power_of_2(rows)))
         _pull_kernel[(self.programs,)](
             src, handle, out, self.counters.local, self.counters.handle, self.meta.local, self.meta.handle, sig,
             copy.limit, *copy.rows, copy.cols, *copy.src_strides, *copy.dst_strides, copy.src_me, copy.src_r,

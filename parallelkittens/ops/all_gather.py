@@ -32,7 +32,8 @@ def all_gather(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     check_input(op, x, MOVE_DTYPES)
     dim = normalize_dim(op, dim, max(x.dim(), 1))
     world = context().local_world_size
-    sig = signature(op, tuple(x.shape), str(x.dtype), f"dim={dim}", f"zero_copy={owner_of(x) is not None}")
+    owner = owner_of(x)  # the parallel tensor x belongs to, if any: read in place
+    sig = signature(op, tuple(x.shape), str(x.dtype), f"dim={dim}", f"zero_copy={owner is not None}")
     agree(op, sig)
     shape = list(x.shape) or [1]
     out = torch.empty(shape[:dim] + [shape[dim] * world] + shape[dim + 1:], dtype=x.dtype, device=x.device)
@@ -41,6 +42,6 @@ def all_gather(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     outer, inner = math.prod(shape[:dim]), math.prod(shape[dim:])
     rows, cols, src_strides, dst_strides = collapse((outer, inner), (inner, 1), (world * inner, 1))
     ws = workspace(op)
-    src, handle = ws.source(x)
+    src, handle = ws.source(x, owner)
     ws.pull(src, handle, out, Copy(rows, cols, src_strides, dst_strides, dst_r=inner), sig)
     return out if x.dim() else out.view(world)

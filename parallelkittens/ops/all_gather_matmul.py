@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .. import language as pkl
 from ..runtime.context import context
+from ..runtime.sizes import cdiv, next_power_of_2
 from ..template import grid, lcsc
 from ._collective import agree, agreement, signature, workspace
 from ._tuning import tuned
@@ -126,7 +127,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     agree(op, sig)
     ws = workspace(op)
     a_full, a_full_handle = ws.view((M, K), a.dtype, slot=0)  # the gathered A
-    num_chunks = triton.cdiv(M, cfg.block_m)
+    num_chunks = cdiv(M, cfg.block_m)
     flags, flags_handle = ws.view((num_chunks,), torch.int32, slot=1, zero=True)  # one per row chunk
     if world == 1:
         num_comm = 0
@@ -137,7 +138,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
         num_comm = num_comm_sms
     my_chunks = (((ctx.local_rank + 1) * m_local - 1) // cfg.block_m) - (ctx.local_rank * m_local) // cfg.block_m + 1
     num_comm_tasks = my_chunks if world > 1 and m_local > 0 else 0
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
         return c
@@ -146,7 +147,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     _ag_matmul_kernel[grid(tiles, num_comm)](
         a, a_full, b, c, flags, flags_handle, a_full_handle, m_local, M, N, K, tiles,
         num_comm_tasks, num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-        GROUP_M=cfg.group_m, STAGES=cfg.num_stages, BK_COPY=min(64, triton.next_power_of_2(K)), num_warps=cfg.num_warps)
+        GROUP_M=cfg.group_m, STAGES=cfg.num_stages, BK_COPY=min(64, next_power_of_2(K)), num_warps=cfg.num_warps)
     if world > 1:
         _finish_kernel[(1,)](flags, agreed.barrier, agreed.handle, num_chunks, BLOCK=256)
     return c

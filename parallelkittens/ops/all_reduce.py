@@ -55,12 +55,13 @@ def all_reduce(x: torch.Tensor | ParallelTensor, op: str = "sum") -> torch.Tenso
     world = context().local_world_size
     n = local.numel()
     algo = algorithm(n * local.element_size(), world)
-    sig = signature(name, tuple(local.shape), str(local.dtype), algo, f"zero_copy={owner_of(local) is not None}")
+    owner = owner_of(local)  # the parallel tensor local belongs to, if any: read in place
+    sig = signature(name, tuple(local.shape), str(local.dtype), algo, f"zero_copy={owner is not None}")
     agree(name, sig)
     if n == 0:
         return local if in_place else torch.empty_like(local)
     ws = workspace(name)
-    src, handle = ws.source(local)
+    src, handle = ws.source(local, owner)
     flat = src.view(-1)
     if algo == "one_shot":
         out = torch.empty_like(local)

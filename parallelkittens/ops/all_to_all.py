@@ -44,8 +44,9 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tens
     world = context().local_world_size
     if x.shape[sd] % world:
         raise PKError(f"{op}: size {x.shape[sd]} of scatter_dim {sd} does not divide by the world size {world}")
+    owner = owner_of(x)  # the parallel tensor x belongs to, if any: read in place
     sig = signature(op, tuple(x.shape), str(x.dtype), f"scatter_dim={sd}", f"gather_dim={gd}",
-                    f"zero_copy={owner_of(x) is not None}")
+                    f"zero_copy={owner is not None}")
     agree(op, sig)
     chunk = list(x.shape)
     chunk[sd] //= world
@@ -57,7 +58,7 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tens
     x_strides, out_strides = _contiguous_strides(list(x.shape)), _contiguous_strides(out_shape)
     rows, cols, src_strides, dst_strides = collapse(tuple(chunk), tuple(x_strides), tuple(out_strides))
     ws = workspace(op)
-    src, handle = ws.source(x)
+    src, handle = ws.source(x, owner)
     copy = Copy(rows, cols, src_strides, dst_strides, src_me=chunk[sd] * x_strides[sd],
                 dst_r=chunk[gd] * out_strides[gd])
     ws.pull(src, handle, out, copy, sig)

@@ -22,6 +22,7 @@ import triton.language as tl
 from ..runtime.context import context
 from ..runtime.device import num_sms
 from ..runtime.errors import PKError
+from ..runtime.sizes import cdiv
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32 runs as tf32 on the tensor cores
 
@@ -61,7 +62,7 @@ def matmul_config(M: int, N: int, dtype: torch.dtype) -> MatmulConfig:
     ties everywhere; when 128x256 tiles would leave SMs idle, 128x128 tiles with 5 stages and 4 warps win."""
     if context().device.type != "cuda":
         return default_config(dtype)
-    return _gpu_matmul_config(triton.cdiv(M, 128) * triton.cdiv(N, 256) < num_sms(), dtype)
+    return _gpu_matmul_config(cdiv(M, 128) * cdiv(N, 256) < num_sms(), dtype)
 
 
 @functools.cache  # a call's host cost matters for small GEMMs: build each configuration once
@@ -175,7 +176,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None)
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     _matmul_kernel[(max(1, min(num_sms(), tiles)),)](
         a, b, c, M, N, K, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, FLATTEN=cfg.flatten, num_warps=cfg.num_warps)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .. import language as pkl
 from ..runtime.context import context
+from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
 from ._collective import agree, agreement, signature, workspace
 from ._tuning import tuned
@@ -106,7 +107,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     agree(op, sig)
     if M == 0 or N == 0:
         return torch.empty(M, N, dtype=a.dtype, device=a.device)
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     ws = workspace(op)
     part, part_handle = ws.view((M, N), torch.float32, slot=0)  # this rank's partial product
     out, out_handle = ws.view((M, N), a.dtype, slot=1)  # the sum, written by every tile's owner

@@ -19,6 +19,7 @@ import triton.language as tl
 from .. import language as pkl
 from ..runtime.context import context
 from ..runtime.errors import PKError
+from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
 from ._collective import agree, agreement, signature, workspace
 from .barrier import barrier
@@ -101,7 +102,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     ws = workspace(op)
     acc, acc_handle = ws.view((m_block, N), torch.float32, slot=0, zero=True)  # zero between calls
     done, done_handle = ws.view((1,), torch.int32, slot=1, zero=True)
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     g = grid(tiles, 0)
     skip = agreement(op)(sig)
     _mm_rs_kernel[g](a, b, acc, acc_handle, done_handle, done, M, N, K, tiles, m_block, skip,

@@ -38,7 +38,8 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op: str = "sum") -> torch.Tens
     world = context().local_world_size
     if x.shape[dim] % world:
         raise PKError(f"{name}: size {x.shape[dim]} of dim {dim} does not divide by the world size {world}")
-    sig = signature(name, tuple(x.shape), str(x.dtype), f"dim={dim}", f"zero_copy={owner_of(x) is not None}")
+    owner = owner_of(x)  # the parallel tensor x belongs to, if any: read in place
+    sig = signature(name, tuple(x.shape), str(x.dtype), f"dim={dim}", f"zero_copy={owner is not None}")
     agree(name, sig)
     shape = list(x.shape)
     shape[dim] //= world
@@ -48,6 +49,6 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op: str = "sum") -> torch.Tens
     outer, inner = math.prod(shape[:dim]), math.prod(shape[dim:])
     rows, cols, src_strides, dst_strides = collapse((outer, inner), (world * inner, 1), (inner, 1))
     ws = workspace(name)
-    src, handle = ws.source(x)
+    src, handle = ws.source(x, owner)
     ws.pull(src, handle, out, Copy(rows, cols, src_strides, dst_strides, src_me=inner, reduce=True), sig)
     return out

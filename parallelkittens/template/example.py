@@ -19,6 +19,7 @@ from .. import language as pkl
 from ..runtime.context import context
 from ..runtime.errors import PKError
 from ..runtime.memory import ParallelTensor, empty, zeros
+from ..runtime.sizes import cdiv
 from .lcsc import grid, lcsc
 
 
@@ -105,7 +106,7 @@ class ScaledAllGather:
         self.dtype = dtype
         self.block = block
         self.world = ctx.local_world_size
-        self.num_tasks = triton.cdiv(self.M, block[0]) * triton.cdiv(self.N, block[1])
+        self.num_tasks = cdiv(self.M, block[0]) * cdiv(self.N, block[1])
         if self.world > 1 and num_comm_programs < 1:
             raise PKError(f"ScaledAllGather needs at least one communicator program with {self.world} ranks")
         self.num_comm = num_comm_programs if self.world > 1 else 0
