@@ -9,7 +9,7 @@ import sys
 import pytest
 
 SIGNALLING = ("signal_wait", "signal_all", "barrier_all", "lcsc_example", "collective_pull", "collective_pull_copy",
-              "agreement")
+              "agreement", "reduce_scatter_finish")
 
 
 def _markers(debug: str) -> dict:

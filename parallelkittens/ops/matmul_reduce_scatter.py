@@ -4,10 +4,10 @@ Schedule (intra-SM, no communicator). Each rank computes its partial product til
 at a different row block (the next rank's), so that ranks do not all add into one owner at once. The epilogue
 adds each fp32 tile straight into its owner's fp32 accumulator: one tensor-descriptor reduce-add (TMA,
 ``cp.reduce.async.bulk``) when row blocks align with tiles, masked per-element atomics otherwise. After its
-last tile a program signals every rank; a one-program kernel waits for all programs of all ranks, then the
-accumulator is rounded into the output, zeroed for the next call, and a barrier closes the call. Before the
-main kernel, the ranks compare the call on the device (`Agreement`): if they disagree, every rank skips it and
-`pk.sync()` raises `MismatchError`.
+last tile a program signals every rank. A finish kernel waits for all programs of all ranks, rounds the
+accumulator into the output and zeroes it for the next call; its last program closes the call with a
+barrier. Before the main kernel, the ranks compare the call on the device (`Agreement`): if they disagree,
+every rank skips it and `pk.sync()` raises `MismatchError`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import triton.language as tl
 
 from .. import language as pkl
 from ..runtime.context import context
+from ..runtime.device import num_sms
 from ..runtime.errors import PKError
 from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
 from ._collective import agree, agreement, signature, workspace
-from .barrier import barrier
 from .matmul import MatmulConfig, column_halves, gemm_tile, prepare
 
 
@@ -72,10 +72,21 @@ def _mm_rs_kernel(a_ptr, b_ptr, acc_ptr, h, hc, ctr_ptr, M, N, K, num_tasks, m_b
 
 
 @triton.jit
-def _wait_kernel(ctr_ptr, hc, expected, skip_ptr):
+def _finish_kernel(acc_ptr, out_ptr, n, ctr_ptr, hc, expected, skip_ptr, barrier_ptr, hb, BLOCK: tl.constexpr):
+    """Once every program of every rank has added its tiles here, round this rank's accumulator into the output
+    and zero it, a slice per program; the last program out resets the counters and meets the other ranks at a
+    barrier, so that no rank adds into an accumulator before its owner has read and zeroed it."""
     if tl.load(skip_ptr) == 0:
         pkl.wait(ctr_ptr, expected, hc)
-    tl.store(ctr_ptr, 0)
+    for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK).to(tl.int64)
+        mask = offs < n
+        tl.store(out_ptr + offs, tl.load(acc_ptr + offs, mask=mask).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(acc_ptr + offs, tl.zeros([BLOCK], tl.float32), mask=mask)
+    if tl.atomic_add(ctr_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:  # the last one out
+        tl.store(ctr_ptr, 0)
+        tl.store(ctr_ptr + 1, 0)
+        pkl.barrier_all(barrier_ptr, hb)
 
 
 
@@ -101,17 +112,16 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
         return out
     ws = workspace(op)
     acc, acc_handle = ws.view((m_block, N), torch.float32, slot=0, zero=True)  # zero between calls
-    done, done_handle = ws.view((1,), torch.int32, slot=1, zero=True)
+    done, done_handle = ws.view((2,), torch.int32, slot=1, zero=True)  # tiles added here, programs finished
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     g = grid(tiles, 0)
-    skip = agreement(op)(sig)
+    agreed = agreement(op)
+    skip = agreed(sig)
     _mm_rs_kernel[g](a, b, acc, acc_handle, done_handle, done, M, N, K, tiles, m_block, skip,
                      BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                      ALIGNED=m_block % cfg.block_m == 0, num_warps=cfg.num_warps)
-    _wait_kernel[(1,)](done, done_handle, world * g[0], skip)
-    out.copy_(acc)
-    acc.zero_()
-    barrier()  # nobody adds into an accumulator before its owner has read and zeroed it
+    _finish_kernel[(num_sms(),)](acc, out, out.numel(), done, done_handle, world * g[0], skip, agreed.barrier,
+                                 agreed.handle, BLOCK=4096, num_warps=4)
     return out
 
 

@@ -36,6 +36,7 @@ def _kernels():
     from ..ops.barrier import _barrier_kernel
     from ..ops.matmul import _matmul_kernel
     from ..ops.matmul_all_reduce import _mm_ar_kernel
+    from ..ops.matmul_reduce_scatter import _finish_kernel as _mm_rs_finish
     from ..ops.matmul_reduce_scatter import _mm_rs_kernel
     from ..template import example
     from . import primitive_checks as pc
@@ -68,6 +69,10 @@ def _kernels():
                           {"ADD": True, "BM": 64, "BN": 64}),
         "agreement": (_agree_kernel, {"ctr_ptr": "*i32", "hc": i64, "slots_ptr": "*i64", "hs": i64,
                                       "skip_ptr": "*i32", "sig": "i64"}, {}),
+        "reduce_scatter_finish": (_mm_rs_finish, {"acc_ptr": "*fp32", "out_ptr": "*bf16", "n": "i64", "ctr_ptr": "*i32",
+                                                  "hc": i64, "expected": "i32", "skip_ptr": "*i32",
+                                                  "barrier_ptr": "*i32", "hb": i64, "BLOCK": "constexpr"},
+                                  {"BLOCK": 4096}),
         "collective_pull": (_pull_kernel, PULL, {"REDUCE": True, "BR": 4, "BC": 1024, "LIMIT": True}, ALIGNED),
         "collective_pull_copy": (_pull_kernel, PULL, {"REDUCE": False, "BR": 1, "BC": 4096, "LIMIT": False},
                                  ALIGNED),
