@@ -62,7 +62,7 @@ def _agree_kernel(ctr_ptr, hc, slots_ptr, hs, skip_ptr, sig):
     me = pkl.rank(hc)
     world = pkl.world_size(hc)
     epoch = tl.load(ctr_ptr) + 1
-    slot = slots_ptr + (epoch % 2) * world  # two sets of slots: a peer may already be one call ahead
+    slot = slots_ptr + (epoch & 1) * world  # two sets of slots: a peer may be one call ahead (& 1: the epoch may wrap)
     for r in range(world):
         pkl.store(slot + me, sig, hs, r)
     pkl.signal_all(ctr_ptr + 1, hc)
@@ -96,7 +96,7 @@ def _pull_kernel(src_ptr, h, out_ptr, ctr_ptr, hc, meta_ptr, hm, sig, limit,
     me = pkl.rank(h).to(tl.int64)
     world = pkl.world_size(h)
     epoch = tl.load(ctr_ptr) + 1
-    slot = meta_ptr + (epoch % 2) * world  # two sets of slots: a peer may already be one call ahead
+    slot = meta_ptr + (epoch & 1) * world  # two sets of slots: a peer may be one call ahead (& 1: the epoch may wrap)
     for r in range(world):
         pkl.store(slot + me, sig, hm, r)
     arrive = ctr_ptr + 2 + p
@@ -259,27 +259,30 @@ class Agreement:
     """For ops whose kernels exchange data without the pull kernel's protocol (the fused GEMMs): before any data
     moves, one small kernel compares the call's signature across ranks on the device (`__call__` returns the
     flag the op's kernels read: nonzero means skip; `pk.sync()` then raises `MismatchError` on every rank), and
-    a barrier counter at a fixed place, so that a finish kernel's barrier never depends on the call's shape."""
+    a barrier counter at a fixed place, so that a finish kernel's barrier never depends on the call's shape.
+    All fused ops share one, so ranks that call different ops also meet, and disagree, rather than hang."""
 
-    def __init__(self, name: str):
+    def __init__(self):
         ctx = context()
-        self.counters = zeros(3, torch.int32, name=f"{name}.agreement")  # epoch, arrivals, barrier
-        self.slots = zeros(2 * ctx.local_world_size, torch.int64, name=f"{name}.agreement_slots")
+        self.world = ctx.local_world_size
+        self.counters = zeros(3, torch.int32, name="fused.agreement")  # epoch, arrivals, barrier
+        self.slots = zeros(2 * self.world, torch.int64, name="fused.agreement_slots")
         self.skip = torch.zeros(1, dtype=torch.int32, device=ctx.device)
         self.barrier, self.handle = self.counters.local[2:], self.counters.handle
 
     def __call__(self, sig: int) -> torch.Tensor:
-        _agree_kernel[(1,)](self.counters.local, self.counters.handle, self.slots.local, self.slots.handle,
-                            self.skip, sig)
+        if self.world > 1:  # one rank always agrees with itself
+            _agree_kernel[(1,)](self.counters.local, self.counters.handle, self.slots.local, self.slots.handle,
+                                self.skip, sig)
         return self.skip
 
 
-def agreement(name: str) -> Agreement:
-    """The op's `Agreement`, made on first use (collective, like the op itself); it lives in the context."""
+def agreement() -> Agreement:
+    """The fused ops' `Agreement`, made on first use (collective, like the ops); it lives in the context."""
     cache = context().cache
-    if ("agreement", name) not in cache:
-        cache[("agreement", name)] = Agreement(name)
-    return cache[("agreement", name)]
+    if "agreement" not in cache:
+        cache["agreement"] = Agreement()
+    return cache["agreement"]
 
 
 def workspace(name: str) -> Workspace:

@@ -116,7 +116,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
         (op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
         lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))
     owned = len(range(ctx.local_rank, tiles, world))
-    agreed = agreement(op)
+    agreed = agreement()
     skip = agreed(sig)
     _mm_ar_kernel[grid(tiles, num_comm)](
         a, b, part, part_handle, out, out_handle, ctr, ctr_handle, M, N, K, tiles, owned,

@@ -115,7 +115,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     done, done_handle = ws.view((2,), torch.int32, slot=1, zero=True)  # tiles added here, programs finished
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     g = grid(tiles, 0)
-    agreed = agreement(op)
+    agreed = agreement()
     skip = agreed(sig)
     _mm_rs_kernel[g](a, b, acc, acc_handle, done_handle, done, M, N, K, tiles, m_block, skip,
                      BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
