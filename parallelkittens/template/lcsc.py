@@ -14,8 +14,8 @@ values (block sizes, flags); the roles index them. They are separate because Tri
 constexpr only inside an all-constexpr tuple, and only where it is read in place (``tl.arange(0, C[0])``):
 unpacking the tuple or assigning ``BM = C[0]`` turns it into a run-time value (Triton 3.6 and 3.9).
 Roles are `@triton.jit` functions passed by name; `loader` and `communicator` may be None when unused.
-`num_comm_programs` is a run-time value, so trying several counts (tuning) compiles the kernel once; launch
-with ``do_not_specialize=["num_comm"]``-style kernels, or a count of 1 compiles a second variant.
+`num_comm_programs` is a run-time value, so trying several counts (tuning) compiles the kernel once; list its
+argument in the kernel's ``do_not_specialize``, or a count of 1 compiles a second variant.
 
 Every program of the grid must be resident at once, since compute workers and communicators wait on each
 other: launch with `grid(...)`, which never asks for more programs than the device has SMs.
