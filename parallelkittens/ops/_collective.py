@@ -55,24 +55,32 @@ def _record_mismatch(h, theirs, mine):
         tl.store(record + 5, tl.program_id(0).to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["sig"])
-def _agree_kernel(ctr_ptr, hc, slots_ptr, hs, skip_ptr, sig):
-    """One program per rank: every rank's signature into a slot of every rank; if any differs, record a
-    MismatchError and tell this rank's kernels to skip. Every rank sees the same slots, so all skip together."""
+@triton.jit
+def _meet(epoch, arrive_ptr, hc, slots_ptr, hs, sig):
+    """This rank's signature into its slot on every rank, then an arrival on every rank's counter; once all
+    ranks of call `epoch` have arrived, compare the slots. Returns 0, or a differing signature (recorded as a
+    MismatchError). Every rank sees the same slots, so every rank reaches the same verdict."""
     me = pkl.rank(hc)
     world = pkl.world_size(hc)
-    epoch = tl.load(ctr_ptr) + 1
-    slot = slots_ptr + (epoch & 1) * world  # two sets of slots: a peer may be one call ahead (& 1: the epoch may wrap)
+    slot = slots_ptr + (epoch & 1) * world  # two sets of slots: a peer may be one call ahead (& 1: may wrap)
     for r in range(world):
         pkl.store(slot + me, sig, hs, r)
-    pkl.signal_all(ctr_ptr + 1, hc)
-    pkl.wait_at_least(ctr_ptr + 1, world * epoch, hc)
+    pkl.signal_all(arrive_ptr, hc)
+    pkl.wait_at_least(arrive_ptr, world * epoch, hc)
     mismatch = tl.zeros([], tl.int64)
     for r in range(world):
         theirs = tl.load(slot + r, volatile=True)
         mismatch = tl.where(theirs != sig, theirs, mismatch)
     if mismatch != 0:
         _record_mismatch(hc, mismatch, sig)
+    return mismatch
+
+
+@triton.jit(do_not_specialize=["sig"])
+def _agree_kernel(ctr_ptr, hc, slots_ptr, hs, skip_ptr, sig):
+    """One program per rank: `_meet`, then tell this rank's kernels whether to skip the call."""
+    epoch = tl.load(ctr_ptr) + 1
+    mismatch = _meet(epoch, ctr_ptr + 1, hc, slots_ptr, hs, sig)
     tl.store(skip_ptr, (mismatch != 0).to(tl.int32))
     tl.store(ctr_ptr, epoch)
 
@@ -96,19 +104,7 @@ def _pull_kernel(src_ptr, h, out_ptr, ctr_ptr, hc, meta_ptr, hm, sig, limit,
     me = pkl.rank(h).to(tl.int64)
     world = pkl.world_size(h)
     epoch = tl.load(ctr_ptr) + 1
-    slot = meta_ptr + (epoch & 1) * world  # two sets of slots: a peer may be one call ahead (& 1: the epoch may wrap)
-    for r in range(world):
-        pkl.store(slot + me, sig, hm, r)
-    arrive = ctr_ptr + 2 + p
-    pkl.signal_all(arrive, hc)
-    pkl.wait_at_least(arrive, world * epoch, hc)
-    mismatch = tl.zeros([], tl.int64)
-    for r in range(world):
-        theirs = tl.load(slot + r, volatile=True)
-        mismatch = tl.where(theirs != sig, theirs, mismatch)
-    if mismatch != 0:
-        _record_mismatch(h, mismatch, sig)
-    else:
+    if _meet(epoch, ctr_ptr + 2 + p, hc, meta_ptr, hm, sig) == 0:
         rows = R0 * R1 * R2
         tiles_c = tl.cdiv(C, BC)
         for t in range(p, tl.cdiv(rows, BR) * tiles_c, num_programs):
