@@ -19,6 +19,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .plot import line_plot
+
 SIZES = [4 << 10 << (2 * i) for i in range(10)]  # 4 KB, 16 KB, ..., 1 GB
 HEADS, HEAD_DIM = 32, 128
 
@@ -178,33 +180,15 @@ def _goal(rows: list[dict], world: int) -> dict:
 
 def plot(name: str, record: dict, path: str) -> bool:
     """Bus bandwidth against size as a PNG, when matplotlib is installed; returns whether it wrote one."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
     rows, world = record["rows"], record["world_size"]
     factor = 2 * (world - 1) / world if name == "all_reduce" else (world - 1) / world
     factor = factor or 1.0  # at one rank, plot algorithm bandwidth
-    fig, ax = plt.subplots(figsize=(7, 4))
-    sizes = [r["size"] for r in rows]
     lines = [("ours_ms", "parallelkittens"), ("ours_plain_tensor_ms", "parallelkittens, staged"),
              ("torch_distributed_ms", "torch.distributed"), ("symm_mem_one_shot_ms", "symm_mem one_shot"),
              ("symm_mem_two_shot_ms", "symm_mem two_shot")]
     if world == 1:
         lines.append(("copy_ms", "torch copy_ (the one-rank ceiling)"))
-    for key, label in lines:
-        points = [(s, s / r[key] / 1e6 * factor) for s, r in zip(sizes, rows, strict=True) if r.get(key)]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("size (bytes)")
-    ax.set_ylabel("bus bandwidth (GB/s)" if world > 1 else "algorithm bandwidth (GB/s)")
-    ax.set_title(f"{name}, {world} x {record['gpu']}, {record['date'][:10]}")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    series = {label: [(r["size"], r["size"] / r[key] / 1e6 * factor) for r in rows if r.get(key)]
+              for key, label in lines}
+    return line_plot(path, f"{name}, {world} x {record['gpu']}, {record['date'][:10]}", "size (bytes)",
+                     "bus bandwidth (GB/s)" if world > 1 else "algorithm bandwidth (GB/s)", series)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import _timeit
+from .plot import line_plot
 
 SIZES = [2048, 4096, 8192, 16384, 32768]
 COMM_SMS = [1, 2, 4, 8, 16, 32]
@@ -122,27 +123,10 @@ def bench_fused(op: str) -> dict:
 def plot_fused(name: str, record: dict, path: str) -> bool:
     """TFLOP/s per GPU against N for ours and each baseline as a PNG, when matplotlib is installed; returns
     whether it wrote one."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
     rows = [r for r in record["rows"] if "num_comm_sms" not in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in [("ours_tflops", "parallelkittens"), ("our_gemm_tflops", "our GEMM alone"),
-                       ("torch_matmul_plus_dist_tflops", "torch.matmul + torch.distributed"),
-                       ("torch_fused_tflops", "torch fused (symmetric memory)")]:
-        points = [(r["N"], r[key]) for r in rows if r.get(key)]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("N")
-    ax.set_ylabel("TFLOP/s per GPU")
-    ax.set_title(f"{name}, {record['world_size']} x {record['gpu']}, {record['date'][:10]}")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    series = {label: [(r["N"], r[key]) for r in rows if r.get(key)]
+              for key, label in [("ours_tflops", "parallelkittens"), ("our_gemm_tflops", "our GEMM alone"),
+                                 ("torch_matmul_plus_dist_tflops", "torch.matmul + torch.distributed"),
+                                 ("torch_fused_tflops", "torch fused (symmetric memory)")]}
+    return line_plot(path, f"{name}, {record['world_size']} x {record['gpu']}, {record['date'][:10]}", "N",
+                     "TFLOP/s per GPU", series)
