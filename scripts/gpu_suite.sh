@@ -2,7 +2,7 @@
 # The GPU run, in one call on the device machine: the test suite (2 and 4 ranks sharing the GPU, or one rank per
 # GPU where there are enough), the demo, and every benchmark. Logs go to $OUT (default ./gpu-out), benchmark JSON
 # and PNG to $OUT/results.tgz (and bench/results/ when run by hand); a short table is printed last.
-#   [BENCH='all_reduce matmul'] [BENCH_TIMEOUT=540] [TESTS_TIMEOUT=480] [DEMO=0]
+#   [BENCH='all_reduce matmul'] [BENCH_TIMEOUT=540] [TESTS_TIMEOUT=480] [DEMO=0] [DIAG=1]
 #   bash scripts/gpu_suite.sh [all|tests|bench] [pytest -k expression]
 # Every benchmark takes about 7 minutes on one H200 and the tests about 6, so within the device's 10 minutes per
 # command run `bench` and `tests` as two calls (or pick with BENCH= and -k).
@@ -43,6 +43,8 @@ if [ "$WHAT" != tests ]; then
   stage bench ${BENCH_TIMEOUT:-540} bash -c 'for name in $BENCH; do
     echo "== bench $name"; $PY -m parallelkittens bench "$name" --out "'"$OUT"'/results"; done'
   tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"  # few files may come back
+  # DIAG=1: also where the collectives' time goes (host vs device) and the pull kernel's configurations
+  [ "${DIAG:-0}" = 1 ] && stage diag 150 $PY scripts/diagnose_collectives.py
 fi
 if [ "$WHAT" != bench ]; then
   stage tests ${TESTS_TIMEOUT:-480} $PY -m pytest tests -q -p no:cacheprovider --timeout 300 -rfE --durations=12 ${2:+-k "$2"}
