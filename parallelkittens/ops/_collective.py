@@ -36,6 +36,7 @@ from .. import language as pkl
 from ..runtime.context import context
 from ..runtime.device import num_sms
 from ..runtime.errors import SIGNATURES, MismatchError, PKError
+from ..runtime.launch import launch
 from ..runtime.memory import ParallelTensor, empty, zeros
 from ..runtime.sizes import next_power_of_2
 
@@ -244,11 +245,10 @@ class Workspace:
         bc = min(tile, next_power_of_2(max(copy.cols, 16)))
         rows = math.prod(copy.rows)
         br = max(1, min(tile // bc, next_power_of_2(rows)))
-        _pull_kernel[(self.programs,)](
-            src, handle, out, self.counters.local, self.counters.handle, self.meta.local, self.meta.handle, sig,
-            copy.limit, *copy.rows, copy.cols, *copy.src_strides, *copy.dst_strides, copy.src_me, copy.src_r,
-            copy.dst_me, copy.dst_r, REDUCE=copy.reduce, BR=br, BC=bc, LIMIT=copy.limit < 2**62,
-            num_warps=self.num_warps)
+        launch(_pull_kernel, (self.programs,), src, handle, out, self.counters.local, self.counters.handle,
+               self.meta.local, self.meta.handle, sig, copy.limit, *copy.rows, copy.cols, *copy.src_strides,
+               *copy.dst_strides, copy.src_me, copy.src_r, copy.dst_me, copy.dst_r, REDUCE=copy.reduce, BR=br,
+               BC=bc, LIMIT=copy.limit < 2**62, num_warps=self.num_warps)
 
 
 class Agreement:
@@ -268,8 +268,8 @@ class Agreement:
 
     def __call__(self, sig: int) -> torch.Tensor:
         if self.world > 1:  # one rank always agrees with itself
-            _agree_kernel[(1,)](self.counters.local, self.counters.handle, self.slots.local, self.slots.handle,
-                                self.skip, sig)
+            launch(_agree_kernel, (1,), self.counters.local, self.counters.handle, self.slots.local,
+                   self.slots.handle, self.skip, sig)
         return self.skip
 
 
