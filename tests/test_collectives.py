@@ -96,6 +96,20 @@ def test_collectives_match_gloo(world):
         assert not failures, f"rank {rank}: " + "\n".join(failures)
 
 
+def _back_to_back_fast(calls: int) -> list[str]:
+    from parallelkittens.runtime import launch
+
+    bad = _back_to_back(calls)
+    return bad + ([] if launch._compiled else ["the direct launch was never used"])
+
+
+@pytest.mark.gpu
+def test_direct_launch_gives_the_same_results(monkeypatch):
+    monkeypatch.setenv("PK_FAST_LAUNCH", "1")  # runtime/launch.py: compiled kernels launched again directly
+    for rank, bad in enumerate(pk.spawn(_back_to_back_fast, 2, 200)):
+        assert not bad, f"rank {rank}: {bad[:5]}"
+
+
 def _back_to_back(calls: int) -> list[str]:
     ctx = pk.context()
     seed = shared_seed()
