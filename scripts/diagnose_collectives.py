@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import cProfile
 import io
+import os
 import pstats
 import time
 
@@ -65,6 +66,21 @@ def _rank() -> None:
                          ("copy_", lambda: dst.copy_(src))]:  # noqa: B023
             print(f"{name:>12} {nbytes:>10} B  host {_host_us(fn):8.1f}  device {_device_us(fn):8.1f}")
         x.free()
+
+    print("== host time per call, Triton's launch path against the direct launch (PK_FAST_LAUNCH, runtime/launch.py)")
+    x = pk.empty(2048, torch.bfloat16, name="diag.x")
+    x.local.normal_()
+    for name, fn in [("all_reduce", lambda: pk.ops.all_reduce(x.local)),  # noqa: B023
+                     ("all_gather", lambda: pk.ops.all_gather(x.local))]:  # noqa: B023
+        times, results = [], []
+        for fast in ("0", "1"):
+            os.environ["PK_FAST_LAUNCH"] = fast
+            times.append(_host_us(fn))
+            results.append(fn())
+        os.environ["PK_FAST_LAUNCH"] = "0"
+        same = torch.equal(results[0], results[1])
+        print(f"{name:>12} 4096 B  Triton {times[0]:8.1f}  direct {times[1]:8.1f}  same result {same}")
+    x.free()
 
     print("== host profile: 300 calls of all_reduce on 4 KB")
     x = pk.empty(2048, torch.bfloat16, name="diag.x")
