@@ -54,6 +54,11 @@ def default_config(dtype: torch.dtype = torch.bfloat16) -> MatmulConfig:
     small ones under the interpreter, where every block op is a numpy call."""
     if context().device.type != "cuda":
         return MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_stages=1, num_warps=4)
+    return _gpu_default_config(dtype)
+
+
+@functools.cache
+def _gpu_default_config(dtype: torch.dtype) -> MatmulConfig:
     return MatmulConfig(block_k=32 if dtype == torch.float32 else 64)
 
 
@@ -67,7 +72,7 @@ def matmul_config(M: int, N: int, dtype: torch.dtype) -> MatmulConfig:
 
 @functools.cache  # a call's host cost matters for small GEMMs: build each configuration once
 def _gpu_matmul_config(few_tiles: bool, dtype: torch.dtype) -> MatmulConfig:
-    cfg = MatmulConfig(block_k=32 if dtype == torch.float32 else 64, flatten=True)
+    cfg = replace(_gpu_default_config(dtype), flatten=True)
     if few_tiles:
         cfg = replace(cfg, block_n=128, num_stages=5 if dtype != torch.float32 else 4, num_warps=4)
     return cfg.validate()
