@@ -97,6 +97,15 @@ def _rank() -> None:
     print(text.getvalue()[-6000:])
     x.free()
 
+    print("== GEMM per call, microseconds: host issue time vs device time (CUDA graph), ours against torch.matmul")
+    for m, n, k in ((4096, 512, 4096), (4096, 4096, 512), (8192, 8192, 8192)):
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+        for name, fn in [("pk.matmul", lambda: pk.ops.matmul(a, b)), ("torch", lambda: a @ b)]:  # noqa: B023
+            print(f"{name:>12} {m}x{n}x{k}  host {_host_us(fn, 50):8.1f}  device {_device_us(fn, 5):8.1f}")
+
+    if os.environ.get("PK_DIAG_SWEEP", "1") != "1":
+        return
     print("== pull kernel, 1 GiB bf16 copy at world 1: GB/s (algbw) and fraction of copy_")
     n = 1 << 29
     src = pk.empty(n, torch.bfloat16, name="diag.src")
