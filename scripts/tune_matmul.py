@@ -1,10 +1,13 @@
 """Sweep the GEMM core's configurations over the benchmark's shapes on one GPU and print TFLOP/s beside cuBLAS,
 best first per shape. A developer's tool for choosing `ops.matmul.default_config`.
 
-    python scripts/tune_matmul.py
+    python scripts/tune_matmul.py                      # every shape of bench/matmul.py
+    TUNE_SHAPES=4096x512x4096,4096x4096x512 python scripts/tune_matmul.py
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -15,11 +18,16 @@ from parallelkittens.ops.matmul import MatmulConfig, matmul
 
 CONFIGS = [MatmulConfig(bm, bn, bk, 8, stages, warps, flatten) for bm, bn, bk, stages, warps, flatten in [
     (128, 256, 64, 3, 8, False), (128, 256, 64, 3, 8, True), (128, 256, 64, 4, 8, False), (128, 256, 64, 4, 8, True),
-    (128, 128, 64, 5, 4, False), (128, 128, 64, 5, 4, True), (128, 128, 64, 4, 8, True), (64, 256, 64, 4, 4, True)]]
+    (128, 128, 64, 5, 4, False), (128, 128, 64, 5, 4, True), (128, 128, 64, 4, 8, True), (64, 256, 64, 4, 4, True),
+    (128, 128, 128, 3, 4, True), (128, 128, 128, 3, 8, True), (128, 256, 128, 2, 8, True),
+    (256, 128, 64, 3, 8, True), (128, 128, 64, 6, 4, True), (64, 128, 64, 6, 4, True)]]
+CONFIGS += [MatmulConfig(128, n, 64, g, s, w, True) for n, s, w in [(128, 5, 4), (256, 3, 8)] for g in (4, 16)]
 
 
 def _rank() -> None:
-    for M, N, K in SHAPES:
+    picked = os.environ.get("TUNE_SHAPES")
+    shapes = [tuple(map(int, s.split("x"))) for s in picked.split(",")] if picked else SHAPES
+    for M, N, K in shapes:
         a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
         flops = 2 * M * N * K

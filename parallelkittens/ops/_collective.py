@@ -225,7 +225,7 @@ class Workspace:
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tensor of `shape` and `dtype` at the start of buffer `slot`, the buffer's handle): one buffer serves
         every shape an op is called with, so memory tracks the largest call rather than every shape seen."""
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         buf = self.staging(nbytes, slot, zero)
         return buf.local[:nbytes].view(dtype).view(shape), buf.handle
 

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from .. import language as pkl
 from ..runtime.context import context
+from ..runtime.launch import launch
 from ..runtime.sizes import cdiv, next_power_of_2
 from ..template import grid, lcsc
 from ._collective import agree, agreement, signature, workspace
@@ -144,12 +145,12 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     if M == 0 or N == 0:
         return c
     skip = agreement()(sig)
-    _ag_matmul_kernel[grid(tiles, num_comm)](
+    launch(_ag_matmul_kernel, grid(tiles, num_comm),
         a, a_full, b, c, flags, flags_handle, a_full_handle, m_local, M, N, K, tiles,
         num_comm_tasks, num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         GROUP_M=cfg.group_m, STAGES=cfg.num_stages, BK_COPY=min(64, next_power_of_2(K)), num_warps=cfg.num_warps)
     if world > 1:
-        _finish_kernel[(1,)](flags, num_chunks, BLOCK=256)
+        launch(_finish_kernel, (1,), flags, num_chunks, BLOCK=256)
     return c
 
 

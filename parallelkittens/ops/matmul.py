@@ -22,6 +22,7 @@ import triton.language as tl
 from ..runtime.context import context
 from ..runtime.device import num_sms
 from ..runtime.errors import PKError
+from ..runtime.launch import launch
 from ..runtime.sizes import cdiv
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32 runs as tf32 on the tensor cores
@@ -182,7 +183,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None)
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    _matmul_kernel[(max(1, min(num_sms(), tiles)),)](
+    launch(_matmul_kernel, (max(1, min(num_sms(), tiles)),),
         a, b, c, M, N, K, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, FLATTEN=cfg.flatten, num_warps=cfg.num_warps)
     return c

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import language as pkl
+from ..runtime.launch import launch
 from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
 from ._collective import agree, agreement, signature, workspace
@@ -121,7 +122,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
         (op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
         lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))
     skip = agreement()(sig)
-    _mm_ar_kernel[grid(tiles, num_comm)](
+    launch(_mm_ar_kernel, grid(tiles, num_comm),
         a, b, part, part_handle, out, ctr, ctr_handle, M, N, K, tiles, num_comm=num_comm, skip_ptr=skip,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
         STRIP=min(64, cfg.block_n), num_warps=cfg.num_warps)

@@ -28,6 +28,7 @@ import triton.language as tl
 from .. import language as pkl
 from ..runtime.context import context
 from ..runtime.errors import PKError
+from ..runtime.launch import launch
 from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
 from ._collective import agree, agreement, signature, workspace
@@ -114,7 +115,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     per_block = cdiv(m_block, cfg.block_m) * cdiv(N, cfg.block_n)  # tiles of one owner's row block
     ctr, ctr_handle = ws.view((per_block,), torch.int32, slot=1, zero=True)  # arrivals per tile, zero between
     skip = agreement()(sig)
-    _mm_rs_kernel[grid(world * per_block, 0)](
+    launch(_mm_rs_kernel, grid(world * per_block, 0),
         a, b, part, part_handle, out, ctr, ctr_handle, m_block, N, K, per_block, world * per_block, skip,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
         num_warps=cfg.num_warps)

@@ -180,7 +180,7 @@ def _agree(ctx: _context.Context, seq: int, shape: tuple[int, ...], dtype: torch
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     return max(_ALIGN, -(-size // _ALIGN) * _ALIGN)
 
 
