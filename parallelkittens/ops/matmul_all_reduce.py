@@ -1,16 +1,17 @@
 """matmul_all_reduce: sum over ranks of a @ b on every rank (the paper's GEMM+AR, on the LCSC template).
 
 Schedule (inter-SM). Compute programs store each partial tile, rounded to the input dtype, into this rank's
-symmetric partial buffer and signal the tile's owner (tile % W). Communicator programs take every tile in
-the same order on every rank. For a tile it owns, a communicator waits until all W partials are in, sums
-them from every rank in fp32 (in rank order, so every rank gets the same bits), writes the sum into this
-rank's output and over its own partial, and signals every other rank. For a tile of another owner, it waits
-for that signal and reads the sum from the owner's buffer into this rank's output. Every rank takes the
-tiles in one order, so a wait only ever depends on earlier tiles and on compute work, which waits for
-nothing. The output is a plain tensor that each rank's own communicators fill, so nothing is copied after the
-kernel, and `Agreement` (every rank has finished the previous call) keeps the next call from overwriting a
-partial a peer still reads. If the ranks disagree on the call, every rank skips it and `pk.sync()` raises
-`MismatchError`.
+symmetric partial buffer and signal the tile's owner (tile % W). Communicator programs take every tile. For a
+tile it owns, a communicator waits until all W partials are in, sums them from every rank in fp32 (in rank
+order, so every rank gets the same bits), writes the sum into this rank's output and over its own partial, and
+signals every other rank. For a tile of another owner, it waits for that signal and reads the sum from the
+owner's buffer into this rank's output. A rank's communicators take its own tiles first, which wait only for
+compute work (which waits for nothing), then the others' tiles, whose owners finish them without waiting for
+this rank's communicators: no chain of waits between ranks' communicators, which ranks time-sliced on one GPU
+would pay for with a switch per tile. The output is a plain tensor that each rank's own communicators fill, so
+nothing is copied after the kernel, and `Agreement` (every rank has finished the previous call) keeps the next
+call from overwriting a partial a peer still reads. If the ranks disagree on the call, every rank skips it and
+`pk.sync()` raises `MismatchError`.
 
 This is the paper's figure 18 with the NVLink-switch reduction replaced by peer reads, and the owner's
 broadcast by peers reading the owner's sum (the same bytes over the links; no copy out of a shared buffer).
@@ -23,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import language as pkl
+from ..runtime.context import context
 from ..runtime.launch import launch
 from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
@@ -57,41 +59,51 @@ def _communicator(G, C, task):
     me = pkl.rank(hc)
     world = pkl.world_size(hc)
     tiles_n = tl.cdiv(N, C[1])
-    ready_ptr = ctr_ptr + tl.cdiv(M, C[0]) * tiles_n + task  # the owner's "sum is in" for this tile
-    owner = task % world
-    rows = (task // tiles_n) * C[0] + tl.arange(0, C[0]).to(tl.int64)  # int64: rows * N may pass 2^31
-    if owner == me:
-        pkl.wait(ctr_ptr + task, world, hc)  # every rank's partial is in
-        tl.store(ctr_ptr + task, 0)
-    else:
-        pkl.wait(ready_ptr, 1, hc)
-        tl.store(ready_ptr, 0)
-    for c0 in range(0, C[1], C[5]):  # column strips keep the communicator's registers small
-        cols = (task % tiles_n) * C[1] + c0 + tl.arange(0, C[5])
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        offs = rows[:, None] * N + cols[None, :]
+    num_tiles = tl.cdiv(M, C[0]) * tiles_n
+    owned = tl.maximum(tl.cdiv(num_tiles - me, world), 0)  # tiles me, me + W, ...
+    if task < owned:  # this rank's tiles first: they wait only for compute work
+        tile = me + task * world
+    else:  # then the others', whose owners sum them without waiting for this rank's communicators
+        i = task - owned
+        others = tl.maximum(world - 1, 1)  # (never 0: one rank owns every tile and never comes here)
+        tile = (i // others) * world + (me + 1 + i % others) % world
+    owner = tile % world
+    ready_ptr = ctr_ptr + num_tiles + tile  # the owner's "sum is in" for this tile
+    if tile < num_tiles:
         if owner == me:
-            total = tl.zeros([C[0], C[5]], tl.float32)
-            for r in range(world):
-                total += pkl.load(part_ptr + offs, h_part, r, mask, 0).to(tl.float32)
-            result = total.to(out_ptr.dtype.element_ty)
-            if world > 1:  # the others read the sum from here
-                tl.store(part_ptr + offs, result, mask=mask)
+            pkl.wait(ctr_ptr + tile, world, hc)  # every rank's partial is in
+            tl.store(ctr_ptr + tile, 0)
         else:
-            result = pkl.load(part_ptr + offs, h_part, owner, mask, 0)
-        tl.store(out_ptr + offs, result, mask=mask)
-    if owner == me:
-        for i in range(1, world):
-            pkl.signal(ready_ptr, hc, (me + i) % world)
+            pkl.wait(ready_ptr, 1, hc)
+            tl.store(ready_ptr, 0)
+        rows = (tile // tiles_n) * C[0] + tl.arange(0, C[0]).to(tl.int64)  # int64: rows * N may pass 2^31
+        for c0 in range(0, C[1], C[5]):  # column strips keep the communicator's registers small
+            cols = (tile % tiles_n) * C[1] + c0 + tl.arange(0, C[5])
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            offs = rows[:, None] * N + cols[None, :]
+            if owner == me:
+                total = tl.zeros([C[0], C[5]], tl.float32)
+                for r in range(world):
+                    total += pkl.load(part_ptr + offs, h_part, r, mask, 0).to(tl.float32)
+                result = total.to(out_ptr.dtype.element_ty)
+                if world > 1:  # the others read the sum from here
+                    tl.store(part_ptr + offs, result, mask=mask)
+            else:
+                result = pkl.load(part_ptr + offs, h_part, owner, mask, 0)
+            tl.store(out_ptr + offs, result, mask=mask)
+        if owner == me:
+            for i in range(1, world):
+                pkl.signal(ready_ptr, hc, (me + i) % world)
 
 
 @triton.jit(do_not_specialize=["num_comm"])
-def _mm_ar_kernel(a_ptr, b_ptr, part_ptr, h_part, out_ptr, ctr_ptr, hc, M, N, K, num_tasks, num_comm, skip_ptr,
+def _mm_ar_kernel(a_ptr, b_ptr, part_ptr, h_part, out_ptr, ctr_ptr, hc, M, N, K, num_tasks, num_comm_tasks,
+                  num_comm, skip_ptr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                   STAGES: tl.constexpr, STRIP: tl.constexpr):
     G = (a_ptr, b_ptr, part_ptr, h_part, out_ptr, ctr_ptr, hc, M, N, K)
     if tl.load(skip_ptr) == 0:  # the ranks agreed on the call (ops/_collective.py: Agreement)
-        lcsc(G, (BM, BN, BK, GROUP_M, STAGES, STRIP), num_tasks, num_tasks, num_comm, None, _consumer,
+        lcsc(G, (BM, BN, BK, GROUP_M, STAGES, STRIP), num_tasks, num_comm_tasks, num_comm, None, _consumer,
              _storer, _communicator)
 
 
@@ -121,9 +133,12 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     num_comm = num_comm_sms if num_comm_sms is not None else tuned(
         (op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
         lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))
+    world = context().local_world_size
+    # this rank's tiles, then a slot for each other owner's tile in every round of W tiles (some past the end)
+    comm_tasks = len(range(context().local_rank, tiles, world)) + cdiv(tiles, world) * (world - 1)
     skip = agreement()(sig)
     launch(_mm_ar_kernel, grid(tiles, num_comm),
-        a, b, part, part_handle, out, ctr, ctr_handle, M, N, K, tiles, num_comm=num_comm, skip_ptr=skip,
+        a, b, part, part_handle, out, ctr, ctr_handle, M, N, K, tiles, comm_tasks, num_comm=num_comm, skip_ptr=skip,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
         STRIP=min(64, cfg.block_n), num_warps=cfg.num_warps)
     return out

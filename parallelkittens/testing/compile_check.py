@@ -85,7 +85,8 @@ def _kernels():
                   {**GEMM, "FLATTEN": flatten}) for name, flatten in (("matmul", False), ("matmul_flat", True))},
         "matmul_all_reduce": (_mm_ar_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*bf16", "h_part": i64, "out_ptr": "*bf16",
-            "ctr_ptr": "*i32", "hc": i64, **{k: "i32" for k in ("M", "N", "K", "num_tasks")}, "num_comm": "i32",
+            "ctr_ptr": "*i32", "hc": i64, **{k: "i32" for k in ("M", "N", "K", "num_tasks", "num_comm_tasks")},
+            "num_comm": "i32",
             "skip_ptr": "*i32", **{k: "constexpr" for k in GEMM}, "STRIP": "constexpr"}, {**GEMM, "STRIP": 64}),
         "lcsc_example": (example._scaled_all_gather_kernel,
                          {"x_ptr": "*bf16", "out_ptr": "*bf16", "h": i64, "counters_ptr": "*i32", "hc": i64,
