@@ -254,20 +254,17 @@ class Workspace:
 class Agreement:
     """For ops whose kernels exchange data without the pull kernel's protocol (the fused GEMMs): before any data
     moves, one small kernel compares the call's signature across ranks on the device (`__call__` returns the
-    flag the op's kernels read: nonzero means skip; `pk.sync()` then raises `MismatchError` on every rank).
-    All fused ops share one, so ranks that call different ops also meet, and disagree, rather than hang.
-
-    It is also the fused ops' barrier between calls: a rank gets past call n's agreement only once every rank
-    has reached it, that is, once every rank's stream has finished call n - 1. So an op's kernels may reset
-    their counters and reuse their buffers at the end of a call without a barrier of their own. (One rank
-    needs neither: the stream orders its calls.)"""
+    flag the op's kernels read: nonzero means skip; `pk.sync()` then raises `MismatchError` on every rank), and
+    a barrier counter at a fixed place, so that a finish kernel's barrier never depends on the call's shape.
+    All fused ops share one, so ranks that call different ops also meet, and disagree, rather than hang."""
 
     def __init__(self):
         ctx = context()
         self.world = ctx.local_world_size
-        self.counters = zeros(2, torch.int32, name="fused.agreement")  # epoch, arrivals
+        self.counters = zeros(3, torch.int32, name="fused.agreement")  # epoch, arrivals, barrier
         self.slots = zeros(2 * self.world, torch.int64, name="fused.agreement_slots")
         self.skip = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        self.barrier, self.handle = self.counters.local[2:], self.counters.handle
 
     def __call__(self, sig: int) -> torch.Tensor:
         if self.world > 1:  # one rank always agrees with itself
