@@ -9,7 +9,9 @@ Triton's own specialisation: every integer's and float's exact value, every tens
 16-byte alignment, every keyword, so a kernel is reused only where Triton would have chosen the same one.
 
 Experimental and off by default: it calls the compiled kernel's launcher as Triton 3.6 to 3.9 do inside
-`JITFunction.run`, and has not yet been measured on a GPU.
+`JITFunction.run`. Measured on an H200 with Triton 3.6 (2026-12-02), it gave the same results but was not
+faster: 72 µs against 65 µs of host time per 4 KB all_reduce (Triton's own path already specialises
+natively), so it stays off; whether it pays on newer Triton versions is unmeasured.
 """
 
 from __future__ import annotations
