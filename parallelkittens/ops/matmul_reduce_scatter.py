@@ -118,11 +118,11 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     g = grid(tiles, 0)
     agreed = agreement()
     skip = agreed(sig)
-    launch(_mm_rs_kernel, g,a, b, acc, acc_handle, done_handle, done, M, N, K, tiles, m_block, skip,
-                     BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-                     ALIGNED=m_block % cfg.block_m == 0, num_warps=cfg.num_warps)
-    launch(_finish_kernel, (num_sms(),),acc, out, out.numel(), done, done_handle, world * g[0], skip, agreed.barrier,
-                                 agreed.handle, BLOCK=4096, num_warps=4)
+    launch(_mm_rs_kernel, g, a, b, acc, acc_handle, done_handle, done, M, N, K, tiles, m_block, skip,
+           BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+           ALIGNED=m_block % cfg.block_m == 0, num_warps=cfg.num_warps)
+    launch(_finish_kernel, (num_sms(),), acc, out, out.numel(), done, done_handle, world * g[0], skip,
+           agreed.barrier, agreed.handle, BLOCK=4096, num_warps=4)
     return out
 
 
