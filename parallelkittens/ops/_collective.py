@@ -254,17 +254,17 @@ class Workspace:
 class Agreement:
     """For ops whose kernels exchange data without the pull kernel's protocol (the fused GEMMs): before any data
     moves, one small kernel compares the call's signature across ranks on the device (`__call__` returns the
-    flag the op's kernels read: nonzero means skip; `pk.sync()` then raises `MismatchError` on every rank), and
-    a barrier counter at a fixed place, so that a finish kernel's barrier never depends on the call's shape.
-    All fused ops share one, so ranks that call different ops also meet, and disagree, rather than hang."""
+    flag the op's kernels read: nonzero means skip; `pk.sync()` then raises `MismatchError` on every rank).
+    A rank arrives only once its previous kernels have ended, so the meeting also orders consecutive calls:
+    after it, no peer still reads or adds into this rank's buffers from the previous call. All fused ops share
+    one, so ranks that call different ops also meet, and disagree, rather than hang."""
 
     def __init__(self):
         ctx = context()
         self.world = ctx.local_world_size
-        self.counters = zeros(3, torch.int32, name="fused.agreement")  # epoch, arrivals, barrier
+        self.counters = zeros(2, torch.int32, name="fused.agreement")  # epoch, arrivals
         self.slots = zeros(2 * self.world, torch.int64, name="fused.agreement_slots")
         self.skip = torch.zeros(1, dtype=torch.int32, device=ctx.device)
-        self.barrier, self.handle = self.counters.local[2:], self.counters.handle
 
     def __call__(self, sig: int) -> torch.Tensor:
         if self.world > 1:  # one rank always agrees with itself

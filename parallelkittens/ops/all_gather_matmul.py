@@ -4,9 +4,10 @@ Schedule (LCSC, inter-SM). Communicator programs push this rank's shard of A, on
 gathered A) per task, into every rank's symmetric copy of the gathered A, and signal that chunk's flag on
 every rank. Compute programs start with this rank's own row tiles, which they read straight from the local
 shard with no wait, then go round the other ranks' blocks, waiting for each row chunk's flag before its
-k-loop. A one-program finish kernel zeroes the flags and passes a barrier, so the next call cannot overwrite
-a gathered row a peer is still reading. Before the main kernel, the ranks compare the call on the device
-(`Agreement`): if they disagree, every rank skips it and `pk.sync()` raises `MismatchError`.
+k-loop. After the kernel the flags are zeroed for the next call. Before the kernel, the ranks compare the call
+on the device (`Agreement`); that meeting also orders calls: no rank pushes rows of the next call before every
+rank's previous kernel, and so every read of the gathered rows, has ended. If the ranks disagree, every rank
+skips the call and `pk.sync()` raises `MismatchError`.
 
 Chunks are aligned to the gathered A's rows, so a chunk may hold rows of two ranks when the shard height is
 not a multiple of BM: its flag then expects two signals. Pushes use the register path with masks (any shape);
@@ -101,14 +102,6 @@ def _ag_matmul_kernel(a_ptr, a_full_ptr, b_ptr, c_ptr, flags_ptr, hf, h, m_local
              _storer, _communicator)
 
 
-@triton.jit
-def _finish_kernel(flags_ptr, barrier_ptr, hb, num_flags, BLOCK: tl.constexpr):
-    for start in range(0, num_flags, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(flags_ptr + offs, 0, mask=offs < num_flags)
-    pkl.barrier_all(barrier_ptr, hb)
-
-
 def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
                       config: MatmulConfig | None = None) -> torch.Tensor:
     """all_gather(a) @ b: `a` is this rank's (M/W, K) row shard, `b` (K, N); returns (M, N) on every rank.
@@ -143,14 +136,13 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    agreed = agreement()
-    skip = agreed(sig)
+    skip = agreement()(sig)
     launch(_ag_matmul_kernel, grid(tiles, num_comm),
         a, a_full, b, c, flags, flags_handle, a_full_handle, m_local, M, N, K, tiles,
         num_comm_tasks, num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         GROUP_M=cfg.group_m, STAGES=cfg.num_stages, BK_COPY=min(64, next_power_of_2(K)), num_warps=cfg.num_warps)
     if world > 1:
-        launch(_finish_kernel, (1,), flags, agreed.barrier, agreed.handle, num_chunks, BLOCK=256)
+        flags.zero_()  # a memset: cheaper to issue than a kernel of ours
     return c
 
 

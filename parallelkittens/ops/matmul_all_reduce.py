@@ -1,12 +1,23 @@
 """matmul_all_reduce: sum over ranks of a @ b on every rank (the paper's GEMM+AR, on the LCSC template).
 
-Schedule (inter-SM). Compute programs store each fp32 partial tile into this rank's symmetric partial buffer
-and signal the tile's owner (tile % W). The owner's communicator programs wait until all W partials of a tile
-are in, sum them from every rank (fp32, rank order), and write the rounded result into every rank's output
-buffer, signalling each. A one-program finish kernel waits for every tile of the result, resets the counters
-and passes a barrier. Before the main kernel, the ranks compare the call on the device (`Agreement`): if they
-disagree, every rank skips it and `pk.sync()` raises `MismatchError`. This is the paper's figure 18, with the
-NVLink-switch reduction replaced by peer reads.
+Schedule. The output tiles (grouped order) are split into W contiguous ranges, range r owned by rank r. Compute
+programs sweep all tiles starting at the next rank's range and ending with their own. A tile of another rank's
+range is added into its owner's symmetric buffer with one tensor-descriptor reduce-add in the input dtype, and
+the owner's counter for the tile is signalled. A tile of this rank's own range keeps its fp32 partial in
+registers, waits for the W - 1 peers' shares, adds them in fp32, zeroes the buffer tile, writes the sum to the
+output and to this rank's symmetric result buffer, and signals every peer that the tile is ready. Communicator
+programs take the tiles this rank does not own, wait for each to be ready and read it from its owner into the
+output, so moving results runs on their own SMs while the compute programs keep the tensor cores busy.
+
+No wait depends on a program that waits itself except through the owners, whose waits depend only on shares
+that are pushed unconditionally: no cycle, so ranks time-sliced on one GPU cannot deadlock. At one rank it is
+the persistent GEMM with no communicator. This is the paper's figure 18, with the NVLink-switch reduction
+replaced by reduce-adds into the owner and reads from it; shares of other ranks are summed in the input dtype
+(as NCCL does), the owner's own share and the final add in fp32.
+
+Before the kernel the ranks compare the call on the device (`Agreement`); that meeting also orders calls (no
+rank adds into a buffer, or overwrites a result a peer still reads, before the previous call ended everywhere).
+If they disagree, every rank skips the call and `pk.sync()` raises `MismatchError`.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
 from ._collective import agree, agreement, signature, workspace
 from ._tuning import tuned
-from .matmul import MatmulConfig, gemm_tile, prepare, store_tile
+from .matmul import MatmulConfig, column_halves, gemm_tile, prepare, tile_coords
 
 
 def reference_matmul_all_reduce(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor]) -> torch.Tensor:
@@ -31,72 +42,99 @@ def reference_matmul_all_reduce(a_parts: list[torch.Tensor], b_parts: list[torch
 
 
 @triton.jit
+def _first_tile(rank, world, tiles):
+    """Where rank `rank`'s range of tiles starts (ranges differ in length by one at most)."""
+    return rank * tiles // world
+
+
+@triton.jit
+def _owner(tile, world, tiles):
+    """The rank whose range holds `tile`: the largest r with _first_tile(r) <= tile."""
+    return ((tile + 1) * world - 1) // tiles
+
+
+@triton.jit
+def _swept_tile(i, hc, tiles):
+    """The i-th tile of this rank's sweep: from the next rank's range round to the end of its own."""
+    return (i + _first_tile(pkl.rank(hc) + 1, pkl.world_size(hc), tiles)) % tiles
+
+
+@triton.jit
 def _consumer(G, C, task, loader):
-    return gemm_tile(G[0], G[1], G[7], G[8], G[9], task, C)
+    tile = _swept_tile(task, G[7], G[12])
+    acc, pid_m, pid_n = gemm_tile(G[0], G[1], G[8], G[9], G[10], tile, C)
+    return acc, tile, pid_m * C[0], pid_n * C[1]
 
 
 @triton.jit
 def _storer(G, C, task, result):
-    acc, pid_m, pid_n = result
-    part_ptr, ctr_ptr, hc, M, N = G[2], G[5], G[6], G[7], G[8]
-    tiles_n = tl.cdiv(N, C[1])
-    part = tl.make_tensor_descriptor(part_ptr, [M, N], [N, 1], [C[0], C[1] // 2])
-    store_tile(part, acc, pid_m * C[0], pid_n * C[1], C[0], C[1])
-    tile = pid_m * tiles_n + pid_n
-    pkl.signal(ctr_ptr + tile, hc, tile % pkl.world_size(hc))  # to the tile's owner
+    acc, tile, row, col = result
+    buf_ptr, hb, res_ptr, out_ptr, ctr_ptr, hc, M, N, tiles = G[2], G[3], G[4], G[6], G[11], G[7], G[8], G[9], G[12]
+    dtype = out_ptr.dtype.element_ty
+    half: tl.constexpr = C[1] // 2
+    world = pkl.world_size(hc)
+    owner = _owner(tile, world, tiles)
+    left, right = column_halves(acc, C[0], C[1])
+    if owner != pkl.rank(hc):  # the owner's share: add it into the owner's buffer, then tell the owner
+        dst = pkl.peer_descriptor(buf_ptr, hb, owner, [M, N], [N, 1], [C[0], half])
+        dst.atomic_add([row, col], left.to(dtype))
+        dst.atomic_add([row, col + half], right.to(dtype))
+        pkl.signal(ctr_ptr + tile, hc, owner)
+    else:
+        out = tl.make_tensor_descriptor(out_ptr, [M, N], [N, 1], [C[0], half])
+        if world > 1:  # every peer's share, a clean buffer tile for the next call, the sum for the peers
+            pkl.wait(ctr_ptr + tile, world - 1, hc)
+            tl.store(ctr_ptr + tile, 0)
+            buf = tl.make_tensor_descriptor(buf_ptr, [M, N], [N, 1], [C[0], half])
+            left += buf.load([row, col]).to(tl.float32)
+            right += buf.load([row, col + half]).to(tl.float32)
+            buf.store([row, col], tl.zeros([C[0], half], dtype))
+            buf.store([row, col + half], tl.zeros([C[0], half], dtype))
+            res = tl.make_tensor_descriptor(res_ptr, [M, N], [N, 1], [C[0], half])
+            res.store([row, col], left.to(dtype))
+            res.store([row, col + half], right.to(dtype))
+            pkl.signal_all(ctr_ptr + tiles + tile, hc)  # ready, on every rank
+            tl.debug_barrier()
+            tl.atomic_add(ctr_ptr + tiles + tile, -1, sem="relaxed", scope="gpu")  # except this one
+        out.store([row, col], left.to(dtype))
+        out.store([row, col + half], right.to(dtype))
 
 
 @triton.jit
 def _communicator(G, C, task):
-    part_ptr, h_part, out_ptr, h_out, ctr_ptr, hc, M, N = G[2], G[3], G[10], G[11], G[5], G[6], G[7], G[8]
-    me = pkl.rank(hc)
+    """Read the task-th tile this rank does not own from its owner, once it is ready, into the output."""
+    res_ptr, hr, out_ptr, ctr_ptr, hc, M, N, tiles = G[4], G[5], G[6], G[11], G[7], G[8], G[9], G[12]
     world = pkl.world_size(hc)
-    tiles_n = tl.cdiv(N, C[1])
-    num_tiles = tl.cdiv(M, C[0]) * tiles_n
-    tile = me + task * world
-    pkl.wait(ctr_ptr + tile, world, hc)  # every rank's partial is in
-    tl.store(ctr_ptr + tile, 0)
-    rows = (tile // tiles_n) * C[0] + tl.arange(0, C[0]).to(tl.int64)  # int64: rows * N may pass 2^31
-    for c0 in range(0, C[1], C[5]):  # column strips keep the communicator's registers small
-        cols = (tile % tiles_n) * C[1] + c0 + tl.arange(0, C[5])
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        offs = rows[:, None] * N + cols[None, :]
-        total = tl.zeros([C[0], C[5]], tl.float32)
-        for r in range(world):
-            total += pkl.load(part_ptr + offs, h_part, r, mask, 0)
-        result = total.to(out_ptr.dtype.element_ty)
-        for i in range(world):
-            pkl.store(out_ptr + offs, result, h_out, (me + i) % world, mask)
-    for i in range(world):
-        pkl.signal(ctr_ptr + num_tiles, hc, (me + i) % world)  # one more result tile on that rank
+    tile = _swept_tile(task, hc, tiles)  # the others' ranges, in the order their owners finish them
+    ready = ctr_ptr + tiles + tile
+    pkl.wait(ready, 1, hc)
+    tl.store(ready, 0)
+    pid_m, pid_n = tile_coords(tile, M, N, C[0], C[1], C[3])
+    half: tl.constexpr = C[1] // 2
+    src = pkl.peer_descriptor(res_ptr, hr, _owner(tile, world, tiles), [M, N], [N, 1], [C[0], half])
+    out = tl.make_tensor_descriptor(out_ptr, [M, N], [N, 1], [C[0], half])
+    for j in range(2):
+        out.store([pid_m * C[0], pid_n * C[1] + j * half], src.load([pid_m * C[0], pid_n * C[1] + j * half]))
 
 
 @triton.jit(do_not_specialize=["num_comm"])
-def _mm_ar_kernel(a_ptr, b_ptr, part_ptr, h_part, out_ptr, h_out, ctr_ptr, hc, M, N, K, num_tasks, num_comm_tasks,
+def _mm_ar_kernel(a_ptr, b_ptr, buf_ptr, hb, res_ptr, hr, out_ptr, hc, M, N, K, ctr_ptr, tiles, num_comm_tasks,
                   num_comm, skip_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  GROUP_M: tl.constexpr, STAGES: tl.constexpr, STRIP: tl.constexpr):
-    G = (a_ptr, b_ptr, part_ptr, h_part, 0, ctr_ptr, hc, M, N, K, out_ptr, h_out)
+                  GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+    G = (a_ptr, b_ptr, buf_ptr, hb, res_ptr, hr, out_ptr, hc, M, N, K, ctr_ptr, tiles)
     if tl.load(skip_ptr) == 0:  # the ranks agreed on the call (ops/_collective.py: Agreement)
-        lcsc(G, (BM, BN, BK, GROUP_M, STAGES, STRIP), num_tasks, num_comm_tasks, num_comm, None, _consumer,
-             _storer, _communicator)
-
-
-@triton.jit
-def _finish_kernel(ctr_ptr, hc, num_tiles, skip_ptr, barrier_ptr, hb):
-    if tl.load(skip_ptr) == 0:
-        pkl.wait(ctr_ptr + num_tiles, num_tiles, hc)
-    tl.store(ctr_ptr + num_tiles, 0)
-    pkl.barrier_all(barrier_ptr, hb)
-
+        lcsc(G, (BM, BN, BK, GROUP_M, STAGES), tiles, num_comm_tasks, num_comm, None, _consumer, _storer,
+             _communicator)
 
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
                       config: MatmulConfig | None = None) -> torch.Tensor:
     """sum over ranks of a @ b: `a` is (M, K/W), `b` (K/W, N); returns the full (M, N) sum on every rank.
 
-    Collective. bf16 or fp16, fp32 accumulation (partials are kept in fp32); K/W and N multiples of 8.
-    `num_comm_sms` communicator programs reduce; None picks the count by timing the candidates
-    (`ops._tuning`), the same on every rank.
+    Collective. bf16, fp16 or fp32 (tf32 on a GPU); fp32 accumulation in the GEMM, shares of other ranks summed
+    in the input dtype (as NCCL does); K/W and N multiples of 8. `num_comm_sms` communicator programs read
+    the results of other ranks' tiles; None picks the count by timing the candidates (`ops._tuning`), the same
+    on every rank (none at one rank).
     """
     op = "matmul_all_reduce"
     a, b, cfg = prepare(op, a, b, config, num_comm_sms)
@@ -106,25 +144,27 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     N = b.shape[1]
     sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
     agree(op, sig)
+    out = torch.empty(M, N, dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
-        return torch.empty(M, N, dtype=a.dtype, device=a.device)
+        return out
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     ws = workspace(op)
-    part, part_handle = ws.view((M, N), torch.float32, slot=0)  # this rank's partial product
-    out, out_handle = ws.view((M, N), a.dtype, slot=1)  # the sum, written by every tile's owner
-    ctr, ctr_handle = ws.view((tiles + 1,), torch.int32, slot=2, zero=True)  # per tile, then arrivals
-    num_comm = num_comm_sms if num_comm_sms is not None else tuned(
-        (op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
-        lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))
-    owned = len(range(ctx.local_rank, tiles, world))
-    agreed = agreement()
-    skip = agreed(sig)
-    launch(_mm_ar_kernel, grid(tiles, num_comm),
-        a, b, part, part_handle, out, out_handle, ctr, ctr_handle, M, N, K, tiles, owned,
-        num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, STRIP=min(64, cfg.block_n), num_warps=cfg.num_warps)
-    launch(_finish_kernel, (1,), ctr, ctr_handle, tiles, skip, agreed.barrier, agreed.handle)
-    return out.clone()  # the buffer is rewritten by the next call
+    buf, buf_handle = ws.view((M, N), a.dtype, slot=0, zero=True)  # shares added in by peers; owners re-zero
+    res, res_handle = ws.view((M, N), a.dtype, slot=1)  # the sums of this rank's tiles, read by peers
+    ctr, ctr_handle = ws.view((2 * tiles,), torch.int32, slot=2, zero=True)  # shares in, result ready; per tile
+    if world == 1:
+        num_comm = 0
+    elif num_comm_sms is None:
+        num_comm = tuned((op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
+                         lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))
+    else:
+        num_comm = num_comm_sms
+    not_mine = tiles - ((ctx.local_rank + 1) * tiles // world - ctx.local_rank * tiles // world)
+    skip = agreement()(sig)
+    launch(_mm_ar_kernel, grid(tiles, num_comm), a, b, buf, buf_handle, res, res_handle, out, ctr_handle, M, N, K,
+           ctr, tiles, not_mine, num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n,
+           BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    return out
 
 
 @torch.library.custom_op("parallelkittens::matmul_all_reduce", mutates_args=())

@@ -1,13 +1,21 @@
 """matmul_reduce_scatter: this rank's row block of sum over ranks of a @ b (the paper's GEMM+RS).
 
-Schedule (intra-SM, no communicator). Each rank computes its partial product tile by tile, starting its sweep
-at a different row block (the next rank's), so that ranks do not all add into one owner at once. The epilogue
-adds each fp32 tile straight into its owner's fp32 accumulator: one tensor-descriptor reduce-add (TMA,
-``cp.reduce.async.bulk``) when row blocks align with tiles, masked per-element atomics otherwise. After its
-last tile a program signals every rank. A finish kernel waits for all programs of all ranks, rounds the
-accumulator into the output and zeroes it for the next call; its last program closes the call with a
-barrier. Before the main kernel, the ranks compare the call on the device (`Agreement`): if they disagree,
-every rank skips it and `pk.sync()` raises `MismatchError`.
+Schedule (intra-SM, no communicator, one kernel). The output rows are split into W row blocks, block r owned by
+rank r, and each block is tiled on its own. A rank sweeps the blocks starting at the next rank's and ending with
+its own, so that at any moment the ranks add into different owners. A tile of another rank's block is added
+into the owner's symmetric buffer with one tensor-descriptor reduce-add (TMA ``cp.reduce.async.bulk``) in the
+input dtype, and the owner's counter for that tile is signalled. A tile of this rank's own block comes last: its
+fp32 partial stays in registers, the program waits until the W - 1 peers' shares of the tile are in, adds them
+in fp32, writes the output tile and zeroes the buffer tile for the next call. No accumulator pass, no finish
+kernel; at one rank it is the plain persistent GEMM with the output tile written once.
+
+Across ranks the shares are summed in the input dtype, as NCCL's reduce-scatter sums bf16 in bf16 (half the
+bytes on NVLink of an fp32 share); the owner's own share and the final add are fp32. The order in which shares
+land varies, so bf16 results may differ in the last bit from call to call.
+
+Before the kernel the ranks compare the call on the device (`Agreement`); that meeting is also what orders one
+call after the previous one (no rank adds into a buffer before its owner has read and zeroed it). If they
+disagree, every rank skips the call and `pk.sync()` raises `MismatchError`.
 """
 
 from __future__ import annotations
@@ -18,13 +26,12 @@ import triton.language as tl
 
 from .. import language as pkl
 from ..runtime.context import context
-from ..runtime.device import num_sms
 from ..runtime.errors import PKError
 from ..runtime.launch import launch
 from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
 from ._collective import agree, agreement, signature, workspace
-from .matmul import MatmulConfig, column_halves, gemm_tile, prepare
+from .matmul import MatmulConfig, column_halves, mainloop, prepare, tile_coords
 
 
 def reference_matmul_reduce_scatter(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor], rank: int
@@ -36,71 +43,64 @@ def reference_matmul_reduce_scatter(a_parts: list[torch.Tensor], b_parts: list[t
 
 @triton.jit
 def _consumer(G, C, task, loader):
-    hc, num_tasks = G[4], G[9]
-    rotated = (task + pkl.rank(hc) * num_tasks // pkl.world_size(hc)) % num_tasks  # start at another owner's block
-    return gemm_tile(G[0], G[1], G[6], G[7], G[8], rotated, C)
+    a_ptr, b_ptr, hc, M, N, K, m_block, per_owner = G[0], G[1], G[5], G[7], G[8], G[9], G[10], G[11]
+    owner = (pkl.rank(hc) + 1 + task // per_owner) % pkl.world_size(hc)  # the next rank's block first, own last
+    pid_m, pid_n = tile_coords(task % per_owner, m_block, N, C[0], C[1], C[3])
+    # One descriptor over all of A: a tile past the end of the owner's block reads the next block's rows,
+    # whose results the clipped stores below drop.
+    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [C[0], C[2]])
+    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [C[2], C[1]])
+    acc = mainloop(a_desc, b_desc, owner * m_block + pid_m * C[0], pid_n * C[1], K, C[0], C[1], C[2], C[4])
+    return acc, owner, pid_m * C[0], pid_n * C[1]
 
 
 @triton.jit
 def _storer(G, C, task, result):
-    acc, pid_m, pid_n = result
-    acc_ptr, h, ctr_ptr, hc, m_block, N, num_tasks = G[2], G[3], G[5], G[4], G[10], G[7], G[9]
-    row0 = pid_m * C[0]
-    if C[5]:  # row blocks align with tiles: one bulk reduce-add into the owner
-        owner = row0 // m_block
-        dst = pkl.peer_descriptor(acc_ptr, h, owner, [m_block, N], [N, 1], [C[0], C[1] // 2])
-        left, right = column_halves(acc, C[0], C[1])
-        dst.atomic_add([row0 - owner * m_block, pid_n * C[1]], left)
-        dst.atomic_add([row0 - owner * m_block, pid_n * C[1] + C[1] // 2], right)
+    acc, owner, row, col = result
+    buf_ptr, hb, ctr_ptr, hc, out_ptr, N, m_block, per_owner = G[2], G[3], G[4], G[5], G[6], G[8], G[10], G[11]
+    dtype = out_ptr.dtype.element_ty
+    counter = ctr_ptr + task % per_owner
+    left, right = column_halves(acc, C[0], C[1])
+    half: tl.constexpr = C[1] // 2
+    if owner != pkl.rank(hc):  # the owner's share: add it into the owner's buffer, then tell the owner
+        dst = pkl.peer_descriptor(buf_ptr, hb, owner, [m_block, N], [N, 1], [C[0], half])
+        dst.atomic_add([row, col], left.to(dtype))
+        dst.atomic_add([row, col + half], right.to(dtype))
+        pkl.signal(counter, hc, owner)
     else:
-        rows = row0 + tl.arange(0, C[0]).to(tl.int64)
-        cols = pid_n * C[1] + tl.arange(0, C[1])
-        for owner in range(row0 // m_block, tl.minimum((row0 + C[0] - 1) // m_block + 1, pkl.world_size(h))):
-            mask = ((rows >= owner * m_block) & (rows < (owner + 1) * m_block))[:, None] & (cols < N)[None, :]
-            ptrs = acc_ptr + (rows - owner * m_block)[:, None] * N + cols[None, :]
-            pkl.store_add(ptrs, acc, h, owner, mask)
-    if task + tl.num_programs(0) >= num_tasks:  # this program's last tile: tell every rank
-        pkl.signal_all(ctr_ptr, hc)
+        world = pkl.world_size(hc)
+        if world > 1:  # every peer's share of this tile, then a clean buffer tile for the next call
+            pkl.wait(counter, world - 1, hc)
+            tl.store(counter, 0)
+            buf = tl.make_tensor_descriptor(buf_ptr, [m_block, N], [N, 1], [C[0], half])
+            left += buf.load([row, col]).to(tl.float32)
+            right += buf.load([row, col + half]).to(tl.float32)
+            buf.store([row, col], tl.zeros([C[0], half], dtype))
+            buf.store([row, col + half], tl.zeros([C[0], half], dtype))
+        out = tl.make_tensor_descriptor(out_ptr, [m_block, N], [N, 1], [C[0], half])
+        out.store([row, col], left.to(dtype))
+        out.store([row, col + half], right.to(dtype))
 
 
 @triton.jit
-def _mm_rs_kernel(a_ptr, b_ptr, acc_ptr, h, hc, ctr_ptr, M, N, K, num_tasks, m_block, skip_ptr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
-                  ALIGNED: tl.constexpr):
-    G = (a_ptr, b_ptr, acc_ptr, h, hc, ctr_ptr, M, N, K, num_tasks, m_block)
+def _mm_rs_kernel(a_ptr, b_ptr, buf_ptr, hb, ctr_ptr, hc, out_ptr, M, N, K, m_block, per_owner, skip_ptr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                  STAGES: tl.constexpr):
+    G = (a_ptr, b_ptr, buf_ptr, hb, ctr_ptr, hc, out_ptr, M, N, K, m_block, per_owner)
     if tl.load(skip_ptr) == 0:  # the ranks agreed on the call (ops/_collective.py: Agreement)
-        lcsc(G, (BM, BN, BK, GROUP_M, STAGES, ALIGNED), num_tasks, 0, 0, None, _consumer, _storer, None)
-
-
-@triton.jit
-def _finish_kernel(acc_ptr, out_ptr, n, ctr_ptr, hc, expected, skip_ptr, barrier_ptr, hb, BLOCK: tl.constexpr):
-    """Once every program of every rank has added its tiles here, round this rank's accumulator into the output
-    and zero it, a slice per program; the last program out resets the counters and meets the other ranks at a
-    barrier, so that no rank adds into an accumulator before its owner has read and zeroed it."""
-    if tl.load(skip_ptr) == 0:
-        pkl.wait(ctr_ptr, expected, hc)
-    for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
-        offs = start + tl.arange(0, BLOCK).to(tl.int64)
-        mask = offs < n
-        tl.store(out_ptr + offs, tl.load(acc_ptr + offs, mask=mask).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(acc_ptr + offs, tl.zeros([BLOCK], tl.float32), mask=mask)
-    if tl.atomic_add(ctr_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:  # the last one out
-        tl.store(ctr_ptr, 0)
-        tl.store(ctr_ptr + 1, 0)
-        pkl.barrier_all(barrier_ptr, hb)
-
+        lcsc(G, (BM, BN, BK, GROUP_M, STAGES), pkl.world_size(hc) * per_owner, 0, 0, None, _consumer, _storer,
+             None)
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None) -> torch.Tensor:
     """Sum over ranks of a @ b, scattered by rows: `a` is (M, K/W), `b` (K/W, N); returns (M/W, N).
 
-    Collective. bf16 or fp16, fp32 accumulation (across ranks too); M must divide by the world size; K/W and N
-    multiples of 8 (TMA rows).
+    Collective. bf16, fp16 or fp32 (tf32 on a GPU); fp32 accumulation in the GEMM, shares of other ranks summed
+    in the input dtype (as NCCL does); M must divide by the world size; K/W and N multiples of 8 (TMA rows).
     """
     op = "matmul_reduce_scatter"
     a, b, cfg = prepare(op, a, b, config)
-    ctx = context()
-    world = ctx.local_world_size
+    world = context().local_world_size
     M, K = a.shape
     N = b.shape[1]
     if M % world:
@@ -111,18 +111,14 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     out = torch.empty(m_block, N, dtype=a.dtype, device=a.device)
     if out.numel() == 0:
         return out
+    per_owner = cdiv(m_block, cfg.block_m) * cdiv(N, cfg.block_n)  # tiles in one rank's row block
     ws = workspace(op)
-    acc, acc_handle = ws.view((m_block, N), torch.float32, slot=0, zero=True)  # zero between calls
-    done, done_handle = ws.view((2,), torch.int32, slot=1, zero=True)  # tiles added here, programs finished
-    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    g = grid(tiles, 0)
-    agreed = agreement()
-    skip = agreed(sig)
-    launch(_mm_rs_kernel, g, a, b, acc, acc_handle, done_handle, done, M, N, K, tiles, m_block, skip,
-           BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-           ALIGNED=m_block % cfg.block_m == 0, num_warps=cfg.num_warps)
-    launch(_finish_kernel, (num_sms(),), acc, out, out.numel(), done, done_handle, world * g[0], skip,
-           agreed.barrier, agreed.handle, BLOCK=4096, num_warps=4)
+    buf, buf_handle = ws.view((m_block, N), a.dtype, slot=0, zero=True)  # the peers' shares; owners re-zero it
+    ctr, ctr_handle = ws.view((per_owner,), torch.int32, slot=1, zero=True)  # shares in, per tile; owners reset
+    skip = agreement()(sig)
+    launch(_mm_rs_kernel, grid(world * per_owner, 0), a, b, buf, buf_handle, ctr, ctr_handle, out, M, N, K,
+           m_block, per_owner, skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+           STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return out
 
 

@@ -36,7 +36,6 @@ def _kernels():
     from ..ops.barrier import _barrier_kernel
     from ..ops.matmul import _matmul_kernel
     from ..ops.matmul_all_reduce import _mm_ar_kernel
-    from ..ops.matmul_reduce_scatter import _finish_kernel as _mm_rs_finish
     from ..ops.matmul_reduce_scatter import _mm_rs_kernel
     from ..template import example
     from . import primitive_checks as pc
@@ -69,10 +68,6 @@ def _kernels():
                           {"ADD": True, "BM": 64, "BN": 64}),
         "agreement": (_agree_kernel, {"ctr_ptr": "*i32", "hc": i64, "slots_ptr": "*i64", "hs": i64,
                                       "skip_ptr": "*i32", "sig": "i64"}, {}),
-        "reduce_scatter_finish": (_mm_rs_finish, {"acc_ptr": "*fp32", "out_ptr": "*bf16", "n": "i64", "ctr_ptr": "*i32",
-                                                  "hc": i64, "expected": "i32", "skip_ptr": "*i32",
-                                                  "barrier_ptr": "*i32", "hb": i64, "BLOCK": "constexpr"},
-                                  {"BLOCK": 4096}),
         "collective_pull": (_pull_kernel, PULL, {"REDUCE": True, "BR": 4, "BC": 1024, "LIMIT": True}, ALIGNED),
         "collective_pull_copy": (_pull_kernel, PULL, {"REDUCE": False, "BR": 1, "BC": 4096, "LIMIT": False},
                                  ALIGNED),
@@ -82,21 +77,17 @@ def _kernels():
             **{k: "constexpr" for k in GEMM}, "num_comm": "i32", "skip_ptr": "*i32", "BK_COPY": "constexpr"},
             {**GEMM, "BK_COPY": 64}),
         "matmul_reduce_scatter": (_mm_rs_kernel, {
-            "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*fp32", "h": i64, "hc": i64, "ctr_ptr": "*i32",
-            **{k: "i32" for k in ("M", "N", "K", "num_tasks", "m_block")}, "skip_ptr": "*i32",
-            **{k: "constexpr" for k in GEMM}, "ALIGNED": "constexpr"}, {**GEMM, "ALIGNED": True}),
-        "matmul_reduce_scatter_ragged": (_mm_rs_kernel, {
-            "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*fp32", "h": i64, "hc": i64, "ctr_ptr": "*i32",
-            **{k: "i32" for k in ("M", "N", "K", "num_tasks", "m_block")}, "skip_ptr": "*i32",
-            **{k: "constexpr" for k in GEMM}, "ALIGNED": "constexpr"}, {**GEMM, "ALIGNED": False}),
+            "a_ptr": "*bf16", "b_ptr": "*bf16", "buf_ptr": "*bf16", "hb": i64, "ctr_ptr": "*i32", "hc": i64,
+            "out_ptr": "*bf16", **{k: "i32" for k in ("M", "N", "K", "m_block", "per_owner")}, "skip_ptr": "*i32",
+            **{k: "constexpr" for k in GEMM}}, GEMM),
         **{name: (_matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32",
                                    "K": "i32", **{k: "constexpr" for k in GEMM}, "FLATTEN": "constexpr"},
                   {**GEMM, "FLATTEN": flatten}) for name, flatten in (("matmul", False), ("matmul_flat", True))},
         "matmul_all_reduce": (_mm_ar_kernel, {
-            "a_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*fp32", "h_part": i64, "out_ptr": "*bf16", "h_out": i64,
-            "ctr_ptr": "*i32", "hc": i64, **{k: "i32" for k in ("M", "N", "K", "num_tasks", "num_comm_tasks")},
-            **{k: "constexpr" for k in GEMM}, "num_comm": "i32", "skip_ptr": "*i32", "STRIP": "constexpr"},
-            {**GEMM, "STRIP": 64}),
+            "a_ptr": "*bf16", "b_ptr": "*bf16", "buf_ptr": "*bf16", "hb": i64, "res_ptr": "*bf16", "hr": i64,
+            "out_ptr": "*bf16", "hc": i64, **{k: "i32" for k in ("M", "N", "K")}, "ctr_ptr": "*i32",
+            **{k: "i32" for k in ("tiles", "num_comm_tasks", "num_comm")}, "skip_ptr": "*i32",
+            **{k: "constexpr" for k in GEMM}}, GEMM),
         "lcsc_example": (example._scaled_all_gather_kernel,
                          {"x_ptr": "*bf16", "out_ptr": "*bf16", "h": i64, "counters_ptr": "*i32", "hc": i64,
                           "alpha": "fp32", "M": "i32", "N": "i32", "num_tasks": "i32",
