@@ -67,17 +67,19 @@ def _rank() -> None:
             print(f"{name:>12} {nbytes:>10} B  host {_host_us(fn):8.1f}  device {_device_us(fn):8.1f}")
         x.free()
 
+    from parallelkittens.runtime import launch as launching
+
     print("== host time per call, Triton's launch path against the direct launch (PK_FAST_LAUNCH, runtime/launch.py)")
     x = pk.empty(2048, torch.bfloat16, name="diag.x")
     x.local.normal_()
     for name, fn in [("all_reduce", lambda: pk.ops.all_reduce(x.local)),  # noqa: B023
                      ("all_gather", lambda: pk.ops.all_gather(x.local))]:  # noqa: B023
         times, results = [], []
-        for fast in ("0", "1"):
-            os.environ["PK_FAST_LAUNCH"] = fast
+        for fast in (False, True):
+            launching._enabled = fast
             times.append(_host_us(fn))
             results.append(fn())
-        os.environ["PK_FAST_LAUNCH"] = "0"
+        launching._enabled = None  # as PK_FAST_LAUNCH says
         same = torch.equal(results[0], results[1])
         print(f"{name:>12} 4096 B  Triton {times[0]:8.1f}  direct {times[1]:8.1f}  same result {same}")
     x.free()

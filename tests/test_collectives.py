@@ -96,17 +96,18 @@ def test_collectives_match_gloo(world):
         assert not failures, f"rank {rank}: " + "\n".join(failures)
 
 
-def _back_to_back_fast(calls: int) -> list[str]:
+def _back_to_back_launching(calls: int, fast: bool) -> list[str]:
     from parallelkittens.runtime import launch
 
     bad = _back_to_back(calls)
-    return bad + ([] if launch._compiled else ["the direct launch was never used"])
+    return bad + ([] if bool(launch._compiled) == fast else [f"direct launches used: {bool(launch._compiled)}"])
 
 
 @pytest.mark.gpu
-def test_direct_launch_gives_the_same_results(monkeypatch):
-    monkeypatch.setenv("PK_FAST_LAUNCH", "1")  # runtime/launch.py: compiled kernels launched again directly
-    for rank, bad in enumerate(pk.spawn(_back_to_back_fast, 2, 200)):
+@pytest.mark.parametrize("fast", ["0", "1"])
+def test_direct_launch_gives_the_same_results(monkeypatch, fast):
+    monkeypatch.setenv("PK_FAST_LAUNCH", fast)  # runtime/launch.py: compiled kernels launched again directly
+    for rank, bad in enumerate(pk.spawn(_back_to_back_launching, 2, 200, fast == "1")):
         assert not bad, f"rank {rank}: {bad[:5]}"
 
 

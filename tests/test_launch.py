@@ -1,24 +1,11 @@
-"""`runtime/launch.py`: the key that decides when a compiled kernel may be launched again directly, and the
-direct launch's argument order (with a stand-in for Triton's kernel objects: the real launcher needs a GPU)."""
+"""`runtime/launch.py`: when a compiled kernel is launched again directly, and the direct launch's argument order
+(with stand-ins for Triton's kernel objects and driver: the real launcher needs a GPU)."""
 
 import types
 
-import torch
+import pytest
 
 from parallelkittens.runtime import launch as launching
-
-
-def test_key_separates_what_triton_specialises_on():
-    x = torch.zeros(64, dtype=torch.float32)
-    key = launching.launch_key("k", (4,), (x, 7), {"B": 16})
-    assert key == launching.launch_key("k", (4,), (torch.ones(64), 7), {"B": 16})  # same dtype and alignment
-    assert key != launching.launch_key("k", (4,), (x[1:], 7), {"B": 16})  # 4 bytes off: not 16-byte aligned
-    assert key != launching.launch_key("k", (4,), (x.half(), 7), {"B": 16})
-    assert key != launching.launch_key("k", (4,), (x, 1), {"B": 16})  # Triton makes a 1 a constant
-    assert key != launching.launch_key("k", (4,), (x, 7), {"B": 32})
-    assert key != launching.launch_key("k", (8,), (x, 7), {"B": 16})
-    assert launching.launch_key("k", (1,), (True,), {}) != launching.launch_key("k", (1,), (1,), {})
-    assert launching.launch_key("k", (1,), (object(),), {}) is None  # unknown kinds go through Triton
 
 
 class _Compiled:
@@ -26,9 +13,6 @@ class _Compiled:
 
     def __init__(self):
         self.calls = []
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
 
     def run(self, *args):
         self.calls.append(args)
@@ -47,14 +31,50 @@ class _Kernel:
         return run
 
 
-def test_second_launch_calls_the_compiled_launcher_with_every_parameter_in_order(monkeypatch):
-    monkeypatch.setattr(launching, "fast_launch_enabled", lambda: True)
+@pytest.fixture
+def direct(monkeypatch):
+    monkeypatch.setattr(launching, "_enabled", True)
     monkeypatch.setattr(launching, "_compiled", {})
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=5))
-    kernel, x = _Kernel(), torch.zeros(8)
-    launching.launch(kernel, (3,), x, 9, BLOCK=64, num_warps=4)
-    launching.launch(kernel, (3,), x, 9, BLOCK=64, num_warps=4)
-    launching.launch(kernel, (3,), x, 10, BLOCK=64, num_warps=4)  # another key: through Triton again
-    assert kernel.slow == 2
+    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 5)
+    monkeypatch.setattr(launching, "driver", types.SimpleNamespace(active=active))
+
+
+def test_second_launch_with_a_key_calls_the_compiled_launcher_with_every_parameter_in_order(direct):
+    kernel = _Kernel()
+    for n in (9, 9):
+        launching.launch(kernel, (3,), "x", n, BLOCK=64, num_warps=4, key=("shape", 1))
+    assert kernel.slow == 1
     (call,) = kernel.compiled.calls
-    assert call[:7] == (3, 1, 1, 5, "fn", "meta", None) and call[9:] == (x, 9, 64)
+    assert call == (3, 1, 1, 5, "fn", "meta", None, None, None, "x", 9, 64)
+
+
+def test_other_keys_and_no_key_go_through_triton(direct):
+    kernel = _Kernel()
+    launching.launch(kernel, (3,), "x", 9, BLOCK=64, key=("shape", 1))
+    launching.launch(kernel, (3,), "x", 9, BLOCK=64, key=("shape", 2))  # another specialisation
+    launching.launch(kernel, (4,), "x", 9, BLOCK=64, key=("shape", 1))  # another grid
+    launching.launch(kernel, (3,), "x", 9, BLOCK=64)  # no promise from the caller
+    assert kernel.slow == 4 and not kernel.compiled.calls
+
+
+def test_a_parameter_left_to_its_default_keeps_triton_in_charge(direct):
+    kernel = _Kernel()
+    for _ in range(2):
+        launching.launch(kernel, (3,), "x", 9, key="k")  # BLOCK not given: the launcher needs every value
+    assert kernel.slow == 2
+
+
+def test_the_interpreter_never_launches_directly(monkeypatch):
+    monkeypatch.setattr(launching, "_enabled", None)
+    monkeypatch.setenv("PK_FAST_LAUNCH", "1")
+    assert launching.fast_launch_enabled() is False  # the CPU tests run under TRITON_INTERPRET=1
+
+
+def test_an_installed_launch_hook_keeps_triton_in_charge(direct, monkeypatch):
+    from triton import knobs
+
+    kernel = _Kernel()
+    monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [lambda *a: None])  # a profiler, say
+    for _ in range(2):
+        launching.launch(kernel, (3,), "x", 9, BLOCK=64, key="k")
+    assert kernel.slow == 2

@@ -207,6 +207,7 @@ class Workspace:
         self.counters = zeros(2 + 2 * self.programs, torch.int32, name=f"{name}.counters")
         self.meta = zeros(2 * ctx.local_world_size, torch.int64, name=f"{name}.signatures")
         self.buffers: dict[int, ParallelTensor] = {}
+        self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # view()'s answers, until a buffer grows
 
     def staging(self, nbytes: int, slot: int = 0, zero: bool = False) -> ParallelTensor:
         """Symmetric buffer `slot`, at least `nbytes` long (growing it is collective: every rank grows together,
@@ -216,6 +217,7 @@ class Workspace:
         if buf is None or buf.local.numel() < nbytes:
             if buf is not None:
                 buf.free()
+            self._views.clear()
             size = 1 << math.ceil(math.log2(max(nbytes, 1 << 20)))
             make = zeros if zero else empty
             buf = self.buffers[slot] = make(size, torch.uint8, name=f"{self.name}.buffer{slot}")
@@ -225,9 +227,13 @@ class Workspace:
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tensor of `shape` and `dtype` at the start of buffer `slot`, the buffer's handle): one buffer serves
         every shape an op is called with, so memory tracks the largest call rather than every shape seen."""
+        hit = self._views.get((shape, dtype, slot))
+        if hit is not None:  # slicing and viewing cost more host time than a small kernel's launch
+            return hit
         nbytes = math.prod(shape) * dtype.itemsize
         buf = self.staging(nbytes, slot, zero)
-        return buf.local[:nbytes].view(dtype).view(shape), buf.handle
+        self._views[(shape, dtype, slot)] = view = buf.local[:nbytes].view(dtype).view(shape), buf.handle
+        return view
 
     def source(self, x: torch.Tensor, pt: ParallelTensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(pointer tensor, handle) for peers to read `x` from: `x` itself if it is the local buffer of `pt`
@@ -248,7 +254,8 @@ class Workspace:
         launch(_pull_kernel, (self.programs,), src, handle, out, self.counters.local, self.counters.handle,
                self.meta.local, self.meta.handle, sig, copy.limit, *copy.rows, copy.cols, *copy.src_strides,
                *copy.dst_strides, copy.src_me, copy.src_r, copy.dst_me, copy.dst_r, REDUCE=copy.reduce, BR=br,
-               BC=bc, LIMIT=copy.limit < 2**62, num_warps=self.num_warps)
+               BC=bc, LIMIT=copy.limit < 2**62, num_warps=self.num_warps,
+               key=(sig, copy, src.dtype, out.dtype, src.data_ptr() % 16, out.data_ptr() % 16))
 
 
 class Agreement:
@@ -269,7 +276,7 @@ class Agreement:
     def __call__(self, sig: int) -> torch.Tensor:
         if self.world > 1:  # one rank always agrees with itself
             launch(_agree_kernel, (1,), self.counters.local, self.counters.handle, self.slots.local,
-                   self.slots.handle, self.skip, sig)
+                   self.slots.handle, self.skip, sig, key="agree")
         return self.skip
 
 

@@ -140,7 +140,8 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     launch(_ag_matmul_kernel, grid(tiles, num_comm),
         a, a_full, b, c, flags, flags_handle, a_full_handle, m_local, M, N, K, tiles,
         num_comm_tasks, num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-        GROUP_M=cfg.group_m, STAGES=cfg.num_stages, BK_COPY=min(64, next_power_of_2(K)), num_warps=cfg.num_warps)
+        GROUP_M=cfg.group_m, STAGES=cfg.num_stages, BK_COPY=min(64, next_power_of_2(K)), num_warps=cfg.num_warps,
+        key=sig)
     if world > 1:
         flags.zero_()  # a memset: cheaper to issue than a kernel of ours
     return c

@@ -185,5 +185,5 @@ def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     launch(_matmul_kernel, (max(1, min(num_sms(), tiles)),),
         a, b, c, M, N, K, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, FLATTEN=cfg.flatten, num_warps=cfg.num_warps)
+        STAGES=cfg.num_stages, FLATTEN=cfg.flatten, num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
     return c

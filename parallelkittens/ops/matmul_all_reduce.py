@@ -163,7 +163,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     skip = agreement()(sig)
     launch(_mm_ar_kernel, grid(tiles, num_comm), a, b, buf, buf_handle, res, res_handle, out, ctr_handle, M, N, K,
            ctr, tiles, not_mine, num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n,
-           BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+           BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps, key=sig)
     return out
 
 

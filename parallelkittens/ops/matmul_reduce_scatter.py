@@ -118,7 +118,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     skip = agreement()(sig)
     launch(_mm_rs_kernel, grid(world * per_owner, 0), a, b, buf, buf_handle, ctr, ctr_handle, out, M, N, K,
            m_block, per_owner, skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-           STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+           STAGES=cfg.num_stages, num_warps=cfg.num_warps, key=sig)
     return out
 
 
