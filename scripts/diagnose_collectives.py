@@ -106,6 +106,25 @@ def _rank() -> None:
         for name, fn in [("pk.matmul", lambda: pk.ops.matmul(a, b)), ("torch", lambda: a @ b)]:  # noqa: B023
             print(f"{name:>12} {m}x{n}x{k}  host {_host_us(fn, 50):8.1f}  device {_device_us(fn, 5):8.1f}")
 
+    print("== fused ops at one rank, 2048^3 bf16: host vs device per call (issue 4: within 1.03x of pk.matmul)")
+    a = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
+    fused = [("pk.matmul", lambda: pk.ops.matmul(a, b)), ("torch", lambda: a @ b),
+             ("mm_rs", lambda: pk.ops.matmul_reduce_scatter(a, b)), ("mm_ar", lambda: pk.ops.matmul_all_reduce(a, b)),
+             ("ag_mm", lambda: pk.ops.all_gather_matmul(a, b))]
+    for name, fn in fused:
+        print(f"{name:>12} 2048^3  host {_host_us(fn, 200):8.1f}  device {_device_us(fn, 10):8.1f}")
+    for name, fn in fused[2:4]:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+        print(f"-- host profile, 300 calls of {name}\n" + text.getvalue()[-4000:])
+
     if os.environ.get("PK_DIAG_SWEEP", "1") != "1":
         return
     print("== pull kernel, 1 GiB bf16 copy at world 1: GB/s (algbw) and fraction of copy_")

@@ -4,6 +4,7 @@
 import types
 
 import pytest
+import torch
 
 from parallelkittens.runtime import launch as launching
 
@@ -64,6 +65,7 @@ def test_a_parameter_left_to_its_default_keeps_triton_in_charge(direct):
     assert kernel.slow == 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs where there is no GPU")
 def test_the_interpreter_never_launches_directly(monkeypatch):
     monkeypatch.setattr(launching, "_enabled", None)
     monkeypatch.setenv("PK_FAST_LAUNCH", "1")
