@@ -186,7 +186,9 @@ def signature(*parts) -> int:
 @functools.lru_cache(maxsize=4096)  # a call's parts repeat from call to call: hash them once
 def _signature(parts: tuple) -> int:
     text = repr(parts)
-    sig = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2 or 1
+    # bit 61 set: never 0, and always past 2^31, so that Triton passes every signature as an int64 (a kernel
+    # compiled for a small one would take int32 and could not take the next)
+    sig = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 3 | 1 << 61
     SIGNATURES[sig] = f"{parts[0]} with {', '.join(map(str, parts[1:]))}"
     return sig
 

@@ -299,9 +299,11 @@ def finalize() -> None:
     global _CTX
     if _CTX is None:
         return
+    from . import launch
     from .memory import _free_all
 
     _CTX.cache.clear()
+    launch._compiled.clear()  # keyed by calls whose values (world size, rank) a new context may change
     _free_all()
     _CTX = None
     if dist.is_initialized():
