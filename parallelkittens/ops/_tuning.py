@@ -23,6 +23,14 @@ def candidates() -> list[int]:
     return [c for c in (1, 2, 4, 8, 16, 32) if c < limit] or [1]
 
 
+def comm_programs(num_comm_sms: int | None, key: tuple, run: Callable[[int], object]) -> int:
+    """The communicator count an LCSC op launches with: none at one rank (nothing to move), else the caller's
+    `num_comm_sms`, else the `tuned` choice."""
+    if context().local_world_size == 1:
+        return 0
+    return num_comm_sms if num_comm_sms is not None else tuned(key, run)
+
+
 def tuned(key: tuple, run: Callable[[int], object], reps: int = 3) -> int:
     """The fastest `num_comm_sms` for `run(num_comm_sms)` (a collective call), agreed by all ranks."""
     ctx = context()

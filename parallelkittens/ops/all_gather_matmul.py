@@ -26,7 +26,7 @@ from ..runtime.launch import launch
 from ..runtime.sizes import cdiv, next_power_of_2
 from ..template import grid, lcsc
 from ._collective import agree, agreement, signature, workspace
-from ._tuning import tuned
+from ._tuning import comm_programs
 from .matmul import MatmulConfig, mainloop, prepare, store_tile, tile_coords
 
 
@@ -123,13 +123,8 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     a_full, a_full_handle = ws.view((M, K), a.dtype, slot=0)  # the gathered A
     num_chunks = cdiv(M, cfg.block_m)
     flags, flags_handle = ws.view((num_chunks,), torch.int32, slot=1, zero=True)  # one per row chunk
-    if world == 1:
-        num_comm = 0
-    elif num_comm_sms is None:
-        num_comm = tuned((op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
-                         lambda count: all_gather_matmul(a, b, num_comm_sms=count, config=cfg))
-    else:
-        num_comm = num_comm_sms
+    num_comm = comm_programs(num_comm_sms, (op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
+                             lambda count: all_gather_matmul(a, b, num_comm_sms=count, config=cfg))
     my_chunks = (((ctx.local_rank + 1) * m_local - 1) // cfg.block_m) - (ctx.local_rank * m_local) // cfg.block_m + 1
     num_comm_tasks = my_chunks if world > 1 and m_local > 0 else 0
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)

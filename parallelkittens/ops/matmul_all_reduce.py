@@ -32,8 +32,9 @@ from ..runtime.launch import launch
 from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
 from ._collective import agree, agreement, signature, workspace
-from ._tuning import tuned
+from ._tuning import comm_programs
 from .matmul import MatmulConfig, column_halves, gemm_tile, prepare, tile_coords
+from .matmul_reduce_scatter import push_share, take_shares
 
 
 def reference_matmul_all_reduce(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor]) -> torch.Tensor:
@@ -75,21 +76,12 @@ def _storer(G, C, task, result):
     world = pkl.world_size(hc)
     owner = _owner(tile, world, tiles)
     left, right = column_halves(acc, C[0], C[1])
-    if owner != pkl.rank(hc):  # the owner's share: add it into the owner's buffer, then tell the owner
-        dst = pkl.peer_descriptor(buf_ptr, hb, owner, [M, N], [N, 1], [C[0], half])
-        dst.atomic_add([row, col], left.to(dtype))
-        dst.atomic_add([row, col + half], right.to(dtype))
-        pkl.signal(ctr_ptr + tile, hc, owner)
+    if owner != pkl.rank(hc):
+        push_share(left, right, buf_ptr, hb, owner, ctr_ptr + tile, hc, M, N, row, col, C[0], half)
     else:
+        left, right = take_shares(left, right, buf_ptr, ctr_ptr + tile, hc, M, N, row, col, C[0], half)
         out = tl.make_tensor_descriptor(out_ptr, [M, N], [N, 1], [C[0], half])
-        if world > 1:  # every peer's share, a clean buffer tile for the next call, the sum for the peers
-            pkl.wait(ctr_ptr + tile, world - 1, hc)
-            tl.store(ctr_ptr + tile, 0)
-            buf = tl.make_tensor_descriptor(buf_ptr, [M, N], [N, 1], [C[0], half])
-            left += buf.load([row, col]).to(tl.float32)
-            right += buf.load([row, col + half]).to(tl.float32)
-            buf.store([row, col], tl.zeros([C[0], half], dtype))
-            buf.store([row, col + half], tl.zeros([C[0], half], dtype))
+        if world > 1:  # the sum for the peers to read
             res = tl.make_tensor_descriptor(res_ptr, [M, N], [N, 1], [C[0], half])
             res.store([row, col], left.to(dtype))
             res.store([row, col + half], right.to(dtype))
@@ -152,13 +144,8 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     buf, buf_handle = ws.view((M, N), a.dtype, slot=0, zero=True)  # shares added in by peers; owners re-zero
     res, res_handle = ws.view((M, N), a.dtype, slot=1)  # the sums of this rank's tiles, read by peers
     ctr, ctr_handle = ws.view((2 * tiles,), torch.int32, slot=2, zero=True)  # shares in, result ready; per tile
-    if world == 1:
-        num_comm = 0
-    elif num_comm_sms is None:
-        num_comm = tuned((op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
-                         lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))
-    else:
-        num_comm = num_comm_sms
+    num_comm = comm_programs(num_comm_sms, (op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
+                             lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))
     not_mine = tiles - ((ctx.local_rank + 1) * tiles // world - ctx.local_rank * tiles // world)
     skip = agreement()(sig)
     launch(_mm_ar_kernel, grid(tiles, num_comm), a, b, buf, buf_handle, res, res_handle, out, ctr_handle, M, N, K,

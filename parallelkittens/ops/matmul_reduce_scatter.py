@@ -42,6 +42,34 @@ def reference_matmul_reduce_scatter(a_parts: list[torch.Tensor], b_parts: list[t
 
 
 @triton.jit
+def push_share(left, right, buf_ptr, hb, owner, counter, hc, rows, N, row, col, BM: tl.constexpr,
+               HALF: tl.constexpr):
+    """Add this rank's share of a tile (its fp32 column halves, rounded to the buffer's dtype) into `owner`'s
+    (rows, N) buffer with two TMA reduce-adds, then signal the tile's counter on `owner`."""
+    dtype = buf_ptr.dtype.element_ty
+    dst = pkl.peer_descriptor(buf_ptr, hb, owner, [rows, N], [N, 1], [BM, HALF])
+    dst.atomic_add([row, col], left.to(dtype))
+    dst.atomic_add([row, col + HALF], right.to(dtype))
+    pkl.signal(counter, hc, owner)
+
+
+@triton.jit
+def take_shares(left, right, buf_ptr, counter, hc, rows, N, row, col, BM: tl.constexpr, HALF: tl.constexpr):
+    """The owner's side: wait for the W - 1 peers' shares of the tile, add them to its own fp32 halves, and leave
+    the buffer tile and the counter at zero for the next call. Returns the summed halves."""
+    world = pkl.world_size(hc)
+    if world > 1:
+        pkl.wait(counter, world - 1, hc)
+        tl.store(counter, 0)
+        buf = tl.make_tensor_descriptor(buf_ptr, [rows, N], [N, 1], [BM, HALF])
+        left += buf.load([row, col]).to(tl.float32)
+        right += buf.load([row, col + HALF]).to(tl.float32)
+        buf.store([row, col], tl.zeros([BM, HALF], buf_ptr.dtype.element_ty))
+        buf.store([row, col + HALF], tl.zeros([BM, HALF], buf_ptr.dtype.element_ty))
+    return left, right
+
+
+@triton.jit
 def _consumer(G, C, task, loader):
     a_ptr, b_ptr, hc, M, N, K, m_block, per_owner = G[0], G[1], G[5], G[7], G[8], G[9], G[10], G[11]
     owner = (pkl.rank(hc) + 1 + task // per_owner) % pkl.world_size(hc)  # the next rank's block first, own last
@@ -62,21 +90,10 @@ def _storer(G, C, task, result):
     counter = ctr_ptr + task % per_owner
     left, right = column_halves(acc, C[0], C[1])
     half: tl.constexpr = C[1] // 2
-    if owner != pkl.rank(hc):  # the owner's share: add it into the owner's buffer, then tell the owner
-        dst = pkl.peer_descriptor(buf_ptr, hb, owner, [m_block, N], [N, 1], [C[0], half])
-        dst.atomic_add([row, col], left.to(dtype))
-        dst.atomic_add([row, col + half], right.to(dtype))
-        pkl.signal(counter, hc, owner)
+    if owner != pkl.rank(hc):
+        push_share(left, right, buf_ptr, hb, owner, counter, hc, m_block, N, row, col, C[0], half)
     else:
-        world = pkl.world_size(hc)
-        if world > 1:  # every peer's share of this tile, then a clean buffer tile for the next call
-            pkl.wait(counter, world - 1, hc)
-            tl.store(counter, 0)
-            buf = tl.make_tensor_descriptor(buf_ptr, [m_block, N], [N, 1], [C[0], half])
-            left += buf.load([row, col]).to(tl.float32)
-            right += buf.load([row, col + half]).to(tl.float32)
-            buf.store([row, col], tl.zeros([C[0], half], dtype))
-            buf.store([row, col + half], tl.zeros([C[0], half], dtype))
+        left, right = take_shares(left, right, buf_ptr, counter, hc, m_block, N, row, col, C[0], half)
         out = tl.make_tensor_descriptor(out_ptr, [m_block, N], [N, 1], [C[0], half])
         out.store([row, col], left.to(dtype))
         out.store([row, col + half], right.to(dtype))
