@@ -1,5 +1,6 @@
 """The single-GPU GEMM core against cuBLAS (torch.matmul), one rank: 8192^3 and the local shapes of the
-fused ops' sweep at W = 8 (all-gather + GEMM: N x N/8 x N; GEMM + reduce-scatter / all-reduce: N x N x N/8).
+fused ops' sweep at W = 8, N from 2048 to 32768 (all-gather + GEMM: N x N/8 x N; GEMM + reduce-scatter /
+all-reduce: N x N x N/8).
 Issue 4's goal: at least 1.0x torch.matmul. bf16, random inputs. Ours and cuBLAS are timed in turns, three
 rounds of do_bench medians each, and each keeps its median round, so that a change of clocks during the run
 weighs on both alike (back-to-back single measurements moved cuBLAS by up to 15% between runs)."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 
-SHAPES = [(8192, 8192, 8192)] + [s for n in (4096, 8192, 16384) for s in ((n, n // 8, n), (n, n, n // 8))]
+SHAPES = [(8192, 8192, 8192)] + [s for n in (2048, 4096, 8192, 16384, 32768) for s in ((n, n // 8, n), (n, n, n // 8))]
 
 
 def _rank() -> list[dict]:
