@@ -245,9 +245,19 @@ def init(backend: str | None = None, *, join_timeout: float | None = None) -> Co
 def _install_triton_allocator() -> None:
     import triton
 
+    per_stream: dict[int | None, torch.Tensor] = {}
+
     def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-        # device-side tensor descriptors (TMA) need scratch space for the descriptor itself
-        return torch.empty(size, dtype=torch.int8, device="cuda")
+        # Device-side tensor descriptors (TMA) need global scratch for the descriptors themselves, asked for at
+        # every launch. Launches on one stream run one after another, so one buffer per stream serves them all:
+        # a fresh torch.empty per launch cost about 2 µs of host time. A CUDA-graph capture gets fresh buffers,
+        # which the graph's memory pool keeps for the graph (a cached one could be in use by eager launches).
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty(size, dtype=torch.int8, device="cuda")
+        buf = per_stream.get(stream)
+        if buf is None or buf.numel() < size:
+            buf = per_stream[stream] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
+        return buf
 
     triton.set_allocator(alloc)
 
