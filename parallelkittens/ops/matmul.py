@@ -246,12 +246,12 @@ def _split_k_scratch(cfg: MatmulConfig, tiles: int) -> tuple[torch.Tensor, torch
     allocate them (a first call outside the capture does)."""
     if tiles * cfg.splits > num_sms():
         return None
-    stream = torch.cuda.current_stream() if context().device.type == "cuda" else None
-    key = ("split_k", stream.stream_id if stream is not None else 0)
+    cuda = context().device.type == "cuda"
+    key = ("split_k", torch.cuda.current_stream().stream_id if cuda else 0)
     have = context().cache.get(key)
     need = (tiles * (cfg.splits - 1) * cfg.block_m * cfg.block_n, tiles)
     if have is None or have[0].numel() < need[0] or have[1].numel() < need[1]:
-        if stream is not None and stream.is_capturing():
+        if cuda and torch.cuda.is_current_stream_capturing():
             return None
         size = num_sms() * cfg.block_m * cfg.block_n  # enough for any split of any shape with these tiles
         have = (torch.empty(max(size, need[0]), dtype=torch.float32, device=context().device),
