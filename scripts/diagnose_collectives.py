@@ -3,6 +3,7 @@ graph of the same calls), a profile of the host side, and the pull kernel's band
 size, warps and programs per SM. A developer's tool for tuning `ops/_collective.py`; prints plain text.
 
     python scripts/diagnose_collectives.py
+    PK_DIAG_ONLY=fused python scripts/diagnose_collectives.py   # only the fused ops at 2048^3
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def _host_us(fn, calls: int = 300) -> float:
 
 
 def _rank() -> None:
-    from parallelkittens.ops._collective import Copy, Workspace
-
     dev = pk.context().device
+    if os.environ.get("PK_DIAG_ONLY") == "fused":
+        _fused(dev)
+        return
     print("== per call, microseconds: host issue time vs device time (CUDA graph)")
     for nbytes in (4096, 1 << 20, 64 << 20):
         n = nbytes // 2
@@ -106,6 +108,15 @@ def _rank() -> None:
         for name, fn in [("pk.matmul", lambda: pk.ops.matmul(a, b)), ("torch", lambda: a @ b)]:  # noqa: B023
             print(f"{name:>12} {m}x{n}x{k}  host {_host_us(fn, 50):8.1f}  device {_device_us(fn, 5):8.1f}")
 
+    _fused(dev)
+    if os.environ.get("PK_DIAG_SWEEP", "1") != "1":
+        return
+    _pull_sweep(dev)
+
+
+def _fused(dev: torch.device) -> None:
+    from parallelkittens.bench.collectives import _timeit
+
     print("== fused ops at one rank, 2048^3 bf16: host vs device per call (issue 4: within 1.03x of pk.matmul)")
     a = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
     b = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
@@ -124,9 +135,14 @@ def _rank() -> None:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
         print(f"-- host profile, 300 calls of {name}\n" + text.getvalue()[-4000:])
+    print("== the fused benchmark's timing (back to back, bench/collectives.py: _timeit), five rounds in turns, µs")
+    for rnd in range(5):
+        print(f"  round {rnd}: " + "  ".join(f"{name} {1000 * _timeit(fn, 2 << 20):6.1f}" for name, fn in fused))
 
-    if os.environ.get("PK_DIAG_SWEEP", "1") != "1":
-        return
+
+def _pull_sweep(dev: torch.device) -> None:
+    from parallelkittens.ops._collective import Copy, Workspace
+
     print("== pull kernel, 1 GiB bf16 copy at world 1: GB/s (algbw) and fraction of copy_")
     n = 1 << 29
     src = pk.empty(n, torch.bfloat16, name="diag.src")

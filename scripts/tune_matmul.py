@@ -3,8 +3,6 @@ best first per shape. A developer's tool for choosing `ops.matmul.default_config
 
     python scripts/tune_matmul.py                      # every shape of bench/matmul.py
     TUNE_SHAPES=4096x512x4096,4096x4096x512 python scripts/tune_matmul.py
-    TUNE_QUICK=1 python scripts/tune_matmul.py         # only matmul_config's choice, 128x128 and split-K 2 to 8,
-                                                       # each timed in turns with cuBLAS (three rounds, medians)
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ import triton
 
 import parallelkittens as pk
 from parallelkittens.bench.matmul import SHAPES
-from parallelkittens.ops.matmul import MatmulConfig, matmul, matmul_config
-from parallelkittens.runtime.device import num_sms
+from parallelkittens.ops.matmul import MatmulConfig, matmul
 
 CONFIGS = [MatmulConfig(bm, bn, bk, 8, stages, warps, flatten) for bm, bn, bk, stages, warps, flatten in [
     (128, 256, 64, 3, 8, False), (128, 256, 64, 3, 8, True), (128, 256, 64, 4, 8, False), (128, 256, 64, 4, 8, True),
@@ -25,22 +22,6 @@ CONFIGS = [MatmulConfig(bm, bn, bk, 8, stages, warps, flatten) for bm, bn, bk, s
     (128, 128, 128, 3, 4, True), (128, 128, 128, 3, 8, True), (128, 256, 128, 2, 8, True),
     (256, 128, 64, 3, 8, True), (128, 128, 64, 6, 4, True), (64, 128, 64, 6, 4, True)]]
 CONFIGS += [MatmulConfig(128, n, 64, g, s, w, True) for n, s, w in [(128, 5, 4), (256, 3, 8)] for g in (4, 16)]
-QUICK = [MatmulConfig(128, 128, 64, 8, 5, 4, True)] + [MatmulConfig(splits=s) for s in (2, 3, 4, 6, 8)]
-
-
-def _quick(M: int, N: int, K: int, a: torch.Tensor, b: torch.Tensor) -> None:
-    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 256)
-    configs = [matmul_config(M, N, K, a.dtype)] + [c for c in QUICK if c.splits * tiles <= num_sms()]
-    fns = [lambda: torch.matmul(a, b)] + [lambda c=c: matmul(a, b, c) for c in configs]
-    ref = torch.matmul(a.float(), b.float())
-    errs = [float((matmul(a, b, c).float() - ref).norm() / ref.norm()) for c in configs]
-    rounds = [[triton.testing.do_bench(f, return_mode="median") for f in fns] for _ in range(3)]
-    cublas, *ours = (sorted(times)[1] for times in zip(*rounds, strict=True))
-    print(f"{M}x{N}x{K}: cuBLAS {2 * M * N * K / cublas / 1e9:.0f} TFLOP/s", flush=True)
-    for i, (ms, cfg) in enumerate(zip(ours, configs, strict=True)):
-        print(f"   {cublas / ms:.3f}  {cfg.block_m}x{cfg.block_n}x{cfg.block_k} stages {cfg.num_stages} warps "
-              f"{cfg.num_warps} splits {cfg.splits}{'  (matmul_config)' if i == 0 else ''}  err {errs[i]:.0e}",
-              flush=True)
 
 
 def _rank() -> None:
@@ -49,9 +30,6 @@ def _rank() -> None:
     for M, N, K in shapes:
         a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
-        if os.environ.get("TUNE_QUICK") == "1":
-            _quick(M, N, K, a, b)
-            continue
         flops = 2 * M * N * K
         cublas = flops / triton.testing.do_bench(lambda: torch.matmul(a, b), return_mode="median") / 1e9  # noqa: B023
         results = []

@@ -7,7 +7,7 @@ from conftest import worlds
 
 import parallelkittens as pk
 from parallelkittens.ops.all_gather_matmul import all_gather_matmul, reference_all_gather_matmul
-from parallelkittens.ops.matmul import MatmulConfig, matmul, reference_matmul
+from parallelkittens.ops.matmul import matmul, reference_matmul
 from parallelkittens.ops.matmul_all_reduce import matmul_all_reduce, reference_matmul_all_reduce
 from parallelkittens.ops.matmul_reduce_scatter import matmul_reduce_scatter, reference_matmul_reduce_scatter
 from parallelkittens.testing import max_abs_error, rank_data, relative_error, shared_seed
@@ -57,31 +57,6 @@ def test_fused_gemms_match_float64(world, m, k, n):
         m = 64
     for rank, failures in enumerate(pk.spawn(_run, world, m, k, n, timeout=900)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)
-
-
-def _split_k(splits: int) -> list[str]:
-    gpu = torch.cuda.is_available()
-    # (M, K, N): one or two output tiles, the k-loop split unevenly, and with 3 splits of 2 k-steps one is empty
-    shapes = [(200, 1000, 400), (100, 72, 200)] if gpu else [(20, 200, 24), (40, 40, 24)]
-    cfg = MatmulConfig(splits=splits) if gpu else MatmulConfig(32, 32, 32, 2, 1, 4, splits=splits)
-    seed, failures = shared_seed(), []
-    for m, k, n in shapes:
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            for call in range(2):  # the second call finds the arrival counters re-armed by the first
-                a, b = rank_data((m, k), dtype, seed + call, 0), rank_data((k, n), dtype, seed + call, 1)
-                err = relative_error(matmul(a, b, cfg), reference_matmul(a, b))
-                if not err <= BOUND[dtype]:
-                    failures.append(f"{m}x{k}x{n} {dtype} call {call}: relative error {err:.2e}")
-    if not any(key[0] == "split_k" for key in pk.context().cache if isinstance(key, tuple)):
-        failures.append("the split-K kernel did not run (its scratch was never made)")
-    return failures
-
-
-@pytest.mark.parametrize("splits", [2, 3])
-def test_split_k_gemm_matches_float64(splits):
-    """The plain GEMM with its k-loop split across programs: split 0 waits for the others' fp32 partials."""
-    failures = pk.spawn(_split_k, 1, splits, timeout=600)[0]
-    assert not failures, "; ".join(failures)
 
 
 def _bad() -> list[str]:

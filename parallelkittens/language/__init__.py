@@ -1,14 +1,13 @@
 """Device-side primitives, called from `@triton.jit` kernels: ``import parallelkittens.language as pkl``.
 
 Peer tiles: `load`, `store`, `store_add`, `reduce`, `all_reduce`, `peer_descriptor` (bulk/TMA), `translate`.
-Signals: `signal`, `signal_all`, `wait`, `barrier_all` (and `wait_at_least`; `signal_local` / `wait_local` between
-the programs of one kernel on one GPU). Handle fields: `rank`, `world_size`.
+Signals: `signal`, `signal_all`, `wait`, `barrier_all` (and `wait_at_least`). Handle fields: `rank`, `world_size`.
 """
 
 from .peer import all_reduce, load, peer_descriptor, rank, reduce, store, store_add, translate, world_size
-from .signals import DEBUG, barrier_all, signal, signal_all, signal_local, wait, wait_at_least, wait_local
+from .signals import DEBUG, barrier_all, signal, signal_all, wait, wait_at_least
 
 __all__ = [
     "DEBUG", "all_reduce", "barrier_all", "load", "peer_descriptor", "rank", "reduce", "signal", "signal_all",
-    "signal_local", "store", "store_add", "translate", "wait", "wait_at_least", "wait_local", "world_size",
+    "store", "store_add", "translate", "wait", "wait_at_least", "world_size",
 ]

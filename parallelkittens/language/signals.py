@@ -45,8 +45,6 @@ def _bulk_copies_exist() -> bool:
 
 
 _LOAD_ACQUIRE = "ld.global.acquire.sys.b32 $0, [$1];"
-_LOAD_ACQUIRE_GPU = "ld.global.acquire.gpu.b32 $0, [$1];"
-_FENCE_GPU = "fence.acq_rel.gpu;\n\tmov.u32 $0, 0;"
 _NOW_NS = "mov.u64 $0, %globaltimer;"
 _FENCE = "fence.acq_rel.sys;\n\tmov.u32 $0, 0;"
 # Hopper's bulk copies (TMA) run in the async proxy: a signal first waits for them to complete and orders them
@@ -58,10 +56,8 @@ RELEASE_FENCE = tl.constexpr(_BULK_WAIT_FENCE if _bulk_copies_exist() else _FENC
 ACQUIRE_PROXY_FENCE = tl.constexpr(_PROXY_FENCE if _bulk_copies_exist() else _NOTHING)
 
 interpreter.register_asm(_LOAD_ACQUIRE, lambda ptrs: interpreter.read_memory(ptrs, np.int32))
-interpreter.register_asm(_LOAD_ACQUIRE_GPU, lambda ptrs: interpreter.read_memory(ptrs, np.int32))
 interpreter.register_asm(_NOW_NS, lambda: np.array(time.monotonic_ns(), dtype=np.int64))
-# the CPU is coherent; the interpreter in order
-for _asm in (_FENCE, _FENCE_GPU, _BULK_WAIT_FENCE, _NOTHING, _PROXY_FENCE):
+for _asm in (_FENCE, _BULK_WAIT_FENCE, _NOTHING, _PROXY_FENCE):  # the CPU is coherent; the interpreter in order
     interpreter.register_asm(_asm, lambda: np.array(0, dtype=np.int32))
 
 
@@ -168,34 +164,3 @@ def barrier_all(ptr, h):
     _wait(ptr, world, h, True)
     tl.atomic_add(ptr, -world, sem="relaxed", scope="sys")
     tl.debug_barrier()
-
-
-@triton.jit
-def _load_acquire_gpu(ptr):
-    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def signal_local(ptr, value=1):
-    """Add `value` to an int32 counter in this GPU's memory, releasing this program's earlier register stores
-    at GPU scope: for counters between the programs of one kernel (split-K's arrivals), not across ranks."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
-    tl.debug_barrier()
-    tl.atomic_add(ptr, value, sem="release", scope="gpu")
-
-
-@triton.jit
-def wait_local(ptr, value):
-    """Spin until the counter `signal_local` adds to reaches at least `value` (acquire, GPU scope). With PK_DEBUG
-    the wait gives up after 10 s and returns: the caller's result is then wrong, which tests see, instead of a
-    hang (there is no parallel tensor here to record the timeout in)."""
-    seen = _load_acquire_gpu(ptr)
-    if DEBUG:
-        deadline = _now_ns() + 10_000_000_000
-        while seen < value and _now_ns() < deadline:
-            seen = _load_acquire_gpu(ptr)
-    else:
-        while seen < value:
-            seen = _load_acquire_gpu(ptr)

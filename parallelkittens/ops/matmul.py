@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..language.signals import signal_local, wait_local
 from ..runtime.context import context
 from ..runtime.device import num_sms
 from ..runtime.errors import PKError
@@ -40,15 +39,14 @@ class MatmulConfig:
     num_stages: int = 3
     num_warps: int = 8
     flatten: bool = False  # the plain GEMM only: one flattened loop over tiles and k, so loads run ahead
-    splits: int = 1  # the plain GEMM only: programs per output tile, each a slice of k (split-K)
 
     def validate(self) -> MatmulConfig:
         for field in ("block_m", "block_n", "block_k"):
             value = getattr(self, field)
             if value < 16 or value & (value - 1):
                 raise PKError(f"MatmulConfig.{field} must be a power of two >= 16, got {value}")
-        if self.group_m < 1 or self.num_stages < 1 or self.num_warps not in (4, 8) or self.splits < 1:
-            raise PKError(f"MatmulConfig: group_m >= 1, num_stages >= 1, num_warps 4 or 8, splits >= 1; got {self}")
+        if self.group_m < 1 or self.num_stages < 1 or self.num_warps not in (4, 8):
+            raise PKError(f"MatmulConfig: group_m >= 1, num_stages >= 1, num_warps 4 or 8; got {self}")
         return self
 
 
@@ -65,26 +63,20 @@ def _gpu_default_config(dtype: torch.dtype) -> MatmulConfig:
     return MatmulConfig(block_k=32 if dtype == torch.float32 else 64)
 
 
-def matmul_config(M: int, N: int, K: int, dtype: torch.dtype) -> MatmulConfig:
-    """The plain GEMM's tiles, from sweeps on an H200 (scripts/tune_matmul.py, scripts/gemm_variants.py): 128x256
-    tiles with the flattened loop, which wins or ties everywhere, unless they would leave half the SMs idle. Then
-    the k-loop is split across programs when it is long enough (at least 8 steps of 64 per split): split-K keeps
-    the wide tiles and fills the SMs; otherwise 128x128 tiles with 5 stages and 4 warps. With more tiles 128x256
-    stays: at 2048^3 (128 tiles) a switch to 256 tiles of 128x128 made two waves, 34.6 µs against 27 µs."""
+def matmul_config(M: int, N: int, dtype: torch.dtype) -> MatmulConfig:
+    """The plain GEMM's tiles, from a sweep on an H200 (scripts/tune_matmul.py): the flattened loop wins or
+    ties everywhere; when 128x256 tiles would leave half the SMs idle, 128x128 tiles with 5 stages and 4 warps
+    win (4096x512x4096: 64 tiles of 128x256). With more tiles 128x256 stays: at 2048^3 (128 tiles) the switch
+    to 256 tiles of 128x128 made two waves, 34.6 µs on the device against 27 µs."""
     if context().device.type != "cuda":
         return default_config(dtype)
-    tiles = cdiv(M, 128) * cdiv(N, 256)
-    few_tiles = 2 * tiles <= num_sms()
-    splits = min(num_sms() // tiles, cdiv(K, 64) // 8) if few_tiles else 1
-    return _gpu_matmul_config(few_tiles, max(splits, 1), dtype)
+    return _gpu_matmul_config(2 * cdiv(M, 128) * cdiv(N, 256) <= num_sms(), dtype)
 
 
 @functools.cache  # a call's host cost matters for small GEMMs: build each configuration once
-def _gpu_matmul_config(few_tiles: bool, splits: int, dtype: torch.dtype) -> MatmulConfig:
+def _gpu_matmul_config(few_tiles: bool, dtype: torch.dtype) -> MatmulConfig:
     cfg = replace(_gpu_default_config(dtype), flatten=True)
-    if splits > 1:
-        cfg = replace(cfg, flatten=False, splits=splits)
-    elif few_tiles:
+    if few_tiles:
         cfg = replace(cfg, block_n=128, num_stages=5 if dtype != torch.float32 else 4, num_warps=4)
     return cfg.validate()
 
@@ -152,39 +144,6 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.conste
         store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), pid_m * BM, pid_n * BN, BM, BN)
 
 
-@triton.jit
-def _matmul_split_k_kernel(a_ptr, b_ptr, c_ptr, part_ptr, arrived_ptr, M, N, K, SPLITS: tl.constexpr,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                           STAGES: tl.constexpr):
-    """Split-K for GEMMs with fewer tiles than SMs: SPLITS programs per tile, each a slice of the k-loop. Splits
-    1.. store fp32 partials and count themselves in the tile's arrival counter; split 0 waits for the others,
-    adds their partials, re-arms the counter and writes the tile. The grid never exceeds the SMs, so every
-    program is resident and a wait never waits on a program that cannot start."""
-    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BM, BK])
-    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BK, BN])
-    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [BM, BN // 2])
-    tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-    k_steps = tl.cdiv(K, BK)
-    per_split = tl.cdiv(k_steps, SPLITS)
-    offsets = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-    split = SPLITS - 1 - tl.program_id(0) // tiles  # one program per (split, tile); split 0's come last
-    tile = tl.program_id(0) % tiles
-    pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k in tl.range(split * per_split, tl.minimum(split * per_split + per_split, k_steps), num_stages=STAGES):
-        acc = tl.dot(a_desc.load([pid_m * BM, k * BK]), b_desc.load([k * BK, pid_n * BN]), acc)
-    if split > 0:
-        tl.store(part_ptr + ((split - 1) * tiles + tile).to(tl.int64) * (BM * BN) + offsets, acc)
-        signal_local(arrived_ptr + tile)
-    else:
-        wait_local(arrived_ptr + tile, SPLITS - 1)
-        for s in tl.static_range(1, SPLITS):
-            acc += tl.load(part_ptr + ((s - 1) * tiles + tile).to(tl.int64) * (BM * BN) + offsets)
-        tl.debug_barrier()  # every thread is past its wait before the counter is re-armed
-        tl.store(arrived_ptr + tile, 0)
-        store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), pid_m * BM, pid_n * BN, BM, BN)
-
-
 def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) -> None:
     """Refuse operands the GEMM cannot take, naming what is required."""
     device = context().device
@@ -213,7 +172,7 @@ def prepare(op: str, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | No
     operands and the validated configuration (with `plain`, the plain GEMM's choice for this shape)."""
     check_operands(op, a, b)
     if config is None and plain:
-        return a.contiguous(), b.contiguous(), matmul_config(a.shape[0], b.shape[1], a.shape[1], a.dtype)
+        return a.contiguous(), b.contiguous(), matmul_config(a.shape[0], b.shape[1], a.dtype)
     if num_comm_sms is not None and not 1 <= num_comm_sms < num_sms():
         raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
     return a.contiguous(), b.contiguous(), (config or default_config(a.dtype)).validate()
@@ -226,35 +185,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None)
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    scratch = _split_k_scratch(cfg, tiles) if cfg.splits > 1 else None
-    if scratch is not None:
-        part, arrived = scratch
-        launch(_matmul_split_k_kernel, (tiles * cfg.splits,), a, b, c, part, arrived, M, N, K, SPLITS=cfg.splits,
-               BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-               num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
-        return c
     launch(_matmul_kernel, (max(1, min(num_sms(), tiles)),),
         a, b, c, M, N, K, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, FLATTEN=cfg.flatten, num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg, 1))
+        STAGES=cfg.num_stages, FLATTEN=cfg.flatten, num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
     return c
-
-
-def _split_k_scratch(cfg: MatmulConfig, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The fp32 partials and zeroed arrival counters split-K needs, one set per stream (kernels on different
-    streams may overlap); None where split-K cannot run, and the GEMM then runs unsplit: more programs than
-    SMs (their waits could wait on programs not yet resident), or a CUDA-graph capture that would have to
-    allocate them (a first call outside the capture does)."""
-    if tiles * cfg.splits > num_sms():
-        return None
-    cuda = context().device.type == "cuda"
-    key = ("split_k", torch.cuda.current_stream().stream_id if cuda else 0)
-    have = context().cache.get(key)
-    need = (tiles * (cfg.splits - 1) * cfg.block_m * cfg.block_n, tiles)
-    if have is None or have[0].numel() < need[0] or have[1].numel() < need[1]:
-        if cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        size = num_sms() * cfg.block_m * cfg.block_n  # enough for any split of any shape with these tiles
-        have = (torch.empty(max(size, need[0]), dtype=torch.float32, device=context().device),
-                torch.zeros(max(num_sms(), need[1]), dtype=torch.int32, device=context().device))
-        context().cache[key] = have
-    return have
