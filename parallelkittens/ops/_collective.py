@@ -87,6 +87,14 @@ def _agree_kernel(ctr_ptr, hc, slots_ptr, hs, skip_ptr, sig):
 
 
 @triton.jit
+def agreed(skip_ptr, h):
+    """Whether the ranks agreed on this call (`Agreement`'s flag is zero), in a fused op's kernel. It reads the
+    handle `h` in the same breath, so that the handle's cache miss overlaps the flag's rather than following
+    it: the op's first steps read its rank and world size from the handle."""
+    world = pkl.world_size(h)
+    return (tl.load(skip_ptr) == 0) & (world > 0)
+
+@triton.jit
 def _within(mask, offsets, limit, LIMIT: tl.constexpr):
     # Only the two-shot all_reduce needs the bound; elsewhere leaving it out keeps the mask constant over
     # 16-byte groups, so that Triton can issue 16-byte loads (with it, the loads were 2 bytes wide).

@@ -25,7 +25,7 @@ from ..runtime.context import context
 from ..runtime.launch import launch
 from ..runtime.sizes import cdiv, next_power_of_2
 from ..template import grid, lcsc
-from ._collective import agree, agreement, signature, workspace
+from ._collective import agree, agreed, agreement, signature, workspace
 from ._tuning import comm_programs
 from .matmul import MatmulConfig, mainloop, prepare, store_tile, tile_coords
 
@@ -97,7 +97,7 @@ def _ag_matmul_kernel(a_ptr, a_full_ptr, b_ptr, c_ptr, flags_ptr, hf, h, m_local
                       num_comm_tasks, num_comm, skip_ptr, BM: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, BK_COPY: tl.constexpr):
     G = (a_ptr, a_full_ptr, b_ptr, c_ptr, flags_ptr, hf, h, m_local, M, N, K)
-    if tl.load(skip_ptr) == 0:  # the ranks agreed on the call (ops/_collective.py: Agreement)
+    if agreed(skip_ptr, hf):
         lcsc(G, (BM, BN, BK, GROUP_M, STAGES, BK_COPY), num_tasks, num_comm_tasks, num_comm, None, _consumer,
              _storer, _communicator)
 

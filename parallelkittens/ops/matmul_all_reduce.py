@@ -31,7 +31,7 @@ from ..runtime.context import context
 from ..runtime.launch import launch
 from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
-from ._collective import agree, agreement, signature, workspace
+from ._collective import agree, agreed, agreement, signature, workspace
 from ._tuning import comm_programs
 from .matmul import MatmulConfig, column_halves, gemm_tile, prepare, tile_coords
 from .matmul_reduce_scatter import push_share, take_shares
@@ -114,7 +114,7 @@ def _mm_ar_kernel(a_ptr, b_ptr, buf_ptr, hb, res_ptr, hr, out_ptr, hc, M, N, K, 
                   num_comm, skip_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   GROUP_M: tl.constexpr, STAGES: tl.constexpr):
     G = (a_ptr, b_ptr, buf_ptr, hb, res_ptr, hr, out_ptr, hc, M, N, K, ctr_ptr, tiles)
-    if tl.load(skip_ptr) == 0:  # the ranks agreed on the call (ops/_collective.py: Agreement)
+    if agreed(skip_ptr, hc):
         lcsc(G, (BM, BN, BK, GROUP_M, STAGES), tiles, num_comm_tasks, num_comm, None, _consumer, _storer,
              _communicator)
 

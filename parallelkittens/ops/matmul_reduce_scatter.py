@@ -30,7 +30,7 @@ from ..runtime.errors import PKError
 from ..runtime.launch import launch
 from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
-from ._collective import agree, agreement, signature, workspace
+from ._collective import agree, agreed, agreement, signature, workspace
 from .matmul import MatmulConfig, column_halves, mainloop, prepare, tile_coords
 
 
@@ -104,7 +104,7 @@ def _mm_rs_kernel(a_ptr, b_ptr, buf_ptr, hb, ctr_ptr, hc, out_ptr, M, N, K, m_bl
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                   STAGES: tl.constexpr):
     G = (a_ptr, b_ptr, buf_ptr, hb, ctr_ptr, hc, out_ptr, M, N, K, m_block, per_owner)
-    if tl.load(skip_ptr) == 0:  # the ranks agreed on the call (ops/_collective.py: Agreement)
+    if agreed(skip_ptr, hc):
         lcsc(G, (BM, BN, BK, GROUP_M, STAGES), pkl.world_size(hc) * per_owner, 0, 0, None, _consumer, _storer,
              None)
 
