@@ -159,13 +159,24 @@ def _device_side_mismatch() -> list[str]:
             ("matmul_all_reduce", lambda: matmul_all_reduce(ones(16, 16), ones(16, 24 + 8 * me), num_comm_sms=1)),
             ("different ops", lambda: matmul_all_reduce(ones(16, 16), ones(16, 24), num_comm_sms=1) if me else
              all_gather_matmul(ones(16, 16), ones(16, 24), num_comm_sms=1)),
+            # one rank leaves early (an empty call, an error only it sees): the others must not wait for it
+            ("empty on one rank", lambda: matmul_all_reduce(ones(0 if me == 1 else 16, 16), ones(16, 24),
+                                                            num_comm_sms=1)),
+            ("empty shard on one rank", lambda: all_gather_matmul(ones(0 if me == 1 else 8, 16), ones(16, 24),
+                                                                  num_comm_sms=1)),
+            ("rows not divisible on one rank", lambda: matmul_reduce_scatter(ones(8 * world + (me == 1), 16),
+                                                                             ones(16, 24))),
         ]:
+            error = None
             try:
                 call()
+            except pk.PKError as e:  # raised on this rank only: its peers learn of it at their pk.sync()
+                error = e
+            try:
                 pk.sync()
-                out.append(f"{name}: no error")
             except pk.PKError as e:
-                out.append(f"{name}: {type(e).__name__}: {e}")
+                error = error or e
+            out.append(f"{name}: {type(error).__name__}: {error}" if error else f"{name}: no error")
     finally:
         ctx.debug = True
     seed = shared_seed()
@@ -192,5 +203,9 @@ def test_device_side_mismatch_is_reported_not_hung(monkeypatch):
         for op, msg in zip(("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"), msgs, strict=False):
             assert msg.startswith(f"{op}: MismatchError") and f"{op} with" in msg, msg
         assert msgs[3].startswith("different ops: MismatchError"), msgs[3]
-        for msg in msgs[4:]:
+        assert msgs[4].startswith("empty on one rank: MismatchError"), msgs[4]
+        assert msgs[5].startswith("empty shard on one rank: MismatchError"), msgs[5]
+        assert msgs[6].startswith("rows not divisible on one rank: "), msgs[6]
+        assert "MismatchError" in msgs[6] or "do not divide by the world size 3" in msgs[6], msgs[6]
+        for msg in msgs[7:]:
             assert float(msg.rsplit(" ", 1)[1]) <= BOUND[torch.float16], msg

@@ -129,9 +129,9 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     num_comm_tasks = my_chunks if world > 1 and m_local > 0 else 0
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    if M == 0 or N == 0:
-        return c
     skip = agreement()(sig)
+    if M == 0 or N == 0:  # only after the agreement: a rank that left before it would leave its peers waiting
+        return c
     launch(_ag_matmul_kernel, grid(tiles, num_comm),
         a, a_full, b, c, flags, flags_handle, a_full_handle, m_local, M, N, K, tiles,
         num_comm_tasks, num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,

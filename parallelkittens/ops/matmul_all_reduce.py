@@ -137,8 +137,6 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
     agree(op, sig)
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    if M == 0 or N == 0:
-        return out
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     ws = workspace(op)
     buf, buf_handle = ws.view((M, N), a.dtype, slot=0, zero=True)  # shares added in by peers; owners re-zero
@@ -148,6 +146,8 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
                              lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))
     not_mine = tiles - ((ctx.local_rank + 1) * tiles // world - ctx.local_rank * tiles // world)
     skip = agreement()(sig)
+    if M == 0 or N == 0:  # only after the agreement: a rank that left before it would leave its peers waiting
+        return out
     launch(_mm_ar_kernel, grid(tiles, num_comm), a, b, buf, buf_handle, res, res_handle, out, ctr_handle, M, N, K,
            ctr, tiles, not_mine, num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n,
            BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps, key=sig)
