@@ -94,6 +94,7 @@ def agreed(skip_ptr, h):
     world = pkl.world_size(h)
     return (tl.load(skip_ptr) == 0) & (world > 0)
 
+
 @triton.jit
 def _within(mask, offsets, limit, LIMIT: tl.constexpr):
     # Only the two-shot all_reduce needs the bound; elsewhere leaving it out keeps the mask constant over
