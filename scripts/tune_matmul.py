@@ -20,7 +20,8 @@ CONFIGS = [MatmulConfig(bm, bn, bk, 8, stages, warps, flatten) for bm, bn, bk, s
     (128, 256, 64, 3, 8, False), (128, 256, 64, 3, 8, True), (128, 256, 64, 4, 8, False), (128, 256, 64, 4, 8, True),
     (128, 128, 64, 5, 4, False), (128, 128, 64, 5, 4, True), (128, 128, 64, 4, 8, True), (64, 256, 64, 4, 4, True),
     (128, 128, 128, 3, 4, True), (128, 128, 128, 3, 8, True), (128, 256, 128, 2, 8, True),
-    (256, 128, 64, 3, 8, True), (128, 128, 64, 6, 4, True), (64, 128, 64, 6, 4, True)]]
+    (256, 128, 64, 3, 8, True), (128, 128, 64, 6, 4, True), (64, 128, 64, 6, 4, True),
+    (64, 64, 64, 6, 4, True), (64, 64, 128, 4, 4, True)]]  # small tiles: N = 2048 local shapes have 16-64 big tiles
 CONFIGS += [MatmulConfig(128, n, 64, g, s, w, True) for n, s, w in [(128, 5, 4), (256, 3, 8)] for g in (4, 16)]
 
 
