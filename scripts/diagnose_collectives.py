@@ -17,26 +17,12 @@ import time
 import torch
 
 import parallelkittens as pk
+from parallelkittens.bench.collectives import _graph_ms, _timeit
 
 
 def _device_us(fn, calls: int = 20) -> float:
-    """Device time per call: `calls` calls captured in one CUDA graph, replayed."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 5
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * calls)
+    """Device time per call in µs: `calls` calls captured in one CUDA graph, replayed (the benchmark's timing)."""
+    return 1000 * _graph_ms(fn, calls)
 
 
 def _host_us(fn, calls: int = 300) -> float:
@@ -115,8 +101,6 @@ def _rank() -> None:
 
 
 def _fused(dev: torch.device) -> None:
-    from parallelkittens.bench.collectives import _timeit
-
     print("== fused ops at one rank, 2048^3 bf16: host vs device per call (issue 4: within 1.03x of pk.matmul)")
     a = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
     b = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
