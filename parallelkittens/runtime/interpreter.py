@@ -18,6 +18,8 @@ originals. They replace private internals of ``triton.runtime.interpreter`` (tri
   end). bf16 ``atomic_add`` (refused by the C++ helper) becomes a compare-and-swap loop on the enclosing 32-bit
   word, atomic among threads and processes alike. ``create_descriptor_reduce`` (missing: every
   ``tensor_descriptor.atomic_*`` failed) is added.
+* Device functions are rewritten (parsed and compiled) one at a time: program threads reached a function's first
+  call together, and CPython 3.11's AST construction is not safe on several threads at once.
 * Inline asm: ``create_inline_asm`` calls emulations given to :func:`register_asm` (:func:`read_memory` and
   :func:`write_memory` help write them).
 * ``options.debug`` of the builder is set, so ``tl.device_assert`` and the integer-overflow checks raise.
@@ -81,6 +83,7 @@ def install(*, concurrent_programs: bool = True, check_bounds: bool = True) -> N
         prop = property(lambda _, n=name: getattr(_tls, n, None), lambda _, v, n=name: setattr(_tls, n, v))
         scope.set_attr(B, name, prop)
     scope.set_attr(_I, "_patch_lang", _lang.nested)
+    scope.set_attr(_I.InterpretedFunction, "rewrite", _one_rewrite_at_a_time(_I.InterpretedFunction.rewrite))
     scope.set_attr(_I.GridExecutor, "__call__", _grid_executor_call)
     for name, wrap in _BUILDER_WRAPPERS.items():
         scope.set_attr(B, name, wrap(getattr(B, name)))
@@ -92,6 +95,23 @@ def install(*, concurrent_programs: bool = True, check_bounds: bool = True) -> N
     scope.set_attr(builder, "options", dataclasses.replace(builder.options, debug=True))
     _patches = scope
 
+
+
+_rewrite_lock = threading.Lock()
+
+
+def _one_rewrite_at_a_time(rewrite: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    # A device function is rewritten (its source parsed and compiled) at its first call, which program threads
+    # reach together; CPython 3.11 can fail building ASTs on several threads at once ("AST constructor recursion
+    # depth mismatch"), so rewrites take turns. Later calls find the result cached and take no lock.
+    def locked(self):
+        done = self.rewritten_fn.get(self.fn)
+        if done is not None:
+            return done
+        with _rewrite_lock:
+            return rewrite(self)
+
+    return locked
 
 def uninstall() -> None:
     """Restore every patched interpreter internal. Registered buffers and asm emulations are kept."""
