@@ -65,6 +65,11 @@ def test_gemm_core_uses_wgmma_and_tma(hot):
     assert "wgmma" in hot["matmul"] and "tma_store" in hot["matmul"]
 
 
+def test_split_k_publishes_partials_before_counting_them(hot):
+    for marker in ("wgmma", "tma_store", "bulk_wait", "proxy_fence", "acq_rel_gpu_atomic"):
+        assert marker in hot["matmul_split_k"], f"no {marker} in the split-K GEMM's PTX ({hot['matmul_split_k']})"
+
+
 @pytest.mark.parametrize("kernel", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
 def test_fused_gemms_use_wgmma_and_tma(hot, kernel):
     assert "wgmma" in hot[kernel] and "tma_store" in hot[kernel] and "release_sys_atomic" in hot[kernel]

@@ -7,7 +7,7 @@ from conftest import worlds
 
 import parallelkittens as pk
 from parallelkittens.ops.all_gather_matmul import all_gather_matmul, reference_all_gather_matmul
-from parallelkittens.ops.matmul import matmul, reference_matmul
+from parallelkittens.ops.matmul import MatmulConfig, matmul, reference_matmul
 from parallelkittens.ops.matmul_all_reduce import matmul_all_reduce, reference_matmul_all_reduce
 from parallelkittens.ops.matmul_reduce_scatter import matmul_reduce_scatter, reference_matmul_reduce_scatter
 from parallelkittens.testing import max_abs_error, rank_data, relative_error, shared_seed
@@ -57,6 +57,35 @@ def test_fused_gemms_match_float64(world, m, k, n):
         m = 64
     for rank, failures in enumerate(pk.spawn(_run, world, m, k, n, timeout=900)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)
+
+
+def _split_k(splits: int) -> list[str]:
+    gpu = torch.cuda.is_available()
+    # (M, K, N): one or two output tiles, the k-loop split unevenly, and with 3 splits of 2 k-steps one is empty
+    shapes = [(200, 1000, 400), (100, 72, 200), (130, 4096, 136)] if gpu else [(20, 200, 24), (40, 40, 24)]
+    cfg = MatmulConfig(128, 128, 64, 8, 4, 4, splits=splits) if gpu else MatmulConfig(32, 32, 32, 2, 1, 4,
+                                                                                      splits=splits)
+    seed, failures = shared_seed(), []
+    for m, k, n in shapes:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for call in range(2):  # the second call finds the arrival counters re-armed by the first
+                a, b = rank_data((m, k), dtype, seed + call, 0), rank_data((k, n), dtype, seed + call, 1)
+                err = relative_error(matmul(a, b, cfg), reference_matmul(a, b))
+                if not err <= BOUND[dtype]:
+                    failures.append(f"{m}x{k}x{n} {dtype} call {call}: relative error {err:.2e}")
+    arrived = [v[1] for key, v in pk.context().cache.items() if isinstance(key, tuple) and key[0] == "split_k"]
+    if not arrived:
+        failures.append("the split-K kernel did not run (its scratch was never made)")
+    elif int(arrived[0].abs().sum()):
+        failures.append(f"arrival counters not re-armed after the calls: {arrived[0].tolist()}")
+    return failures
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_k_gemm_matches_float64(splits):
+    """The plain GEMM with its k-loop split across programs; the last split of a tile to arrive finishes it."""
+    failures = pk.spawn(_split_k, 1, splits, timeout=600)[0]
+    assert not failures, "; ".join(failures)
 
 
 def _bad() -> list[str]:
@@ -166,6 +195,12 @@ def _device_side_mismatch() -> list[str]:
                                                                   num_comm_sms=1)),
             ("rows not divisible on one rank", lambda: matmul_reduce_scatter(ones(8 * world + (me == 1), 16),
                                                                              ones(16, 24))),
+            # host steps all ranks must take together, which only rank 0 needs: growing a symmetric buffer (its
+            # 2 MiB output against the 1 MiB made so far), tuning the communicator count
+            ("buffers grow on one rank", lambda: matmul_all_reduce(ones(16, 16), ones(16, 65536 if me == 0 else 24),
+                                                                   num_comm_sms=1)),
+            ("tuning on one rank", lambda: matmul_all_reduce(ones(16, 16), ones(16, 24),
+                                                             num_comm_sms=None if me == 0 else 1)),
         ]:
             error = None
             try:
@@ -207,5 +242,30 @@ def test_device_side_mismatch_is_reported_not_hung(monkeypatch):
         assert msgs[5].startswith("empty shard on one rank: MismatchError"), msgs[5]
         assert msgs[6].startswith("rows not divisible on one rank: "), msgs[6]
         assert "MismatchError" in msgs[6] or "do not divide by the world size 3" in msgs[6], msgs[6]
-        for msg in msgs[7:]:
+        assert msgs[7].startswith("buffers grow on one rank: MismatchError"), msgs[7]
+        assert msgs[8].startswith("tuning on one rank: MismatchError"), msgs[8]
+        for msg in msgs[9:]:
             assert float(msg.rsplit(" ", 1)[1]) <= BOUND[torch.float16], msg
+
+
+def _first_calls_differ() -> str:
+    """The very first fused call differs between ranks: each would make its own op's buffers (collective)."""
+    me, dev = pk.context().local_rank, pk.context().device
+    a, b = torch.ones(16, 16, device=dev, dtype=torch.float16), torch.ones(16, 24, device=dev, dtype=torch.float16)
+    pk.context().debug = False
+    error = None
+    try:
+        matmul_reduce_scatter(a, b) if me else all_gather_matmul(a, b, num_comm_sms=1)
+    except pk.PKError as e:
+        error = e
+    try:
+        pk.sync()
+    except pk.PKError as e:
+        error = error or e
+    return f"{type(error).__name__}: {error}"
+
+
+def test_first_calls_of_different_ops_are_reported_not_hung(monkeypatch):
+    monkeypatch.setenv("PK_DEBUG", "0")
+    for msg in pk.spawn(_first_calls_differ, 2, timeout=120):
+        assert msg.startswith("MismatchError") and " with (16, 16), (16, 24)" in msg, msg

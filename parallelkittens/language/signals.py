@@ -151,6 +151,21 @@ def signal_all(ptr, h, value=1):
 
 
 @triton.jit
+def arrive(ptr, value=1):
+    """Add `value` to this rank's int32 counter at `ptr` and return what it held before: the per-block arrival
+    count for work split across programs of one kernel, where the last to arrive finishes the block (split-K).
+
+    Release, then acquire: this program's writes (bulk copies included) are visible before the count changes,
+    and a program that sees the others' counts sees their writes, tensor-descriptor loads included. Not one of
+    the paper's eight; local, so nothing waits on a program that may not be resident.
+    """
+    _release_fence()
+    before = tl.atomic_add(ptr, value, sem="acq_rel", scope="gpu")
+    tl.inline_asm_elementwise(ACQUIRE_PROXY_FENCE, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    return before
+
+
+@triton.jit
 def barrier_all(ptr, h):
     """Wait until every rank has reached this barrier on the counter at `ptr` (one program per rank).
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .. import language as pkl
-from ..runtime.context import context
+from ..runtime.context import check_errors, context
 from ..runtime.device import num_sms
 from ..runtime.errors import SIGNATURES, MismatchError, PKError
 from ..runtime.launch import launch
@@ -226,6 +226,7 @@ class Workspace:
         buffer starts zeroed on every rank (for counters and accumulators that ops return to zero)."""
         buf = self.buffers.get(slot)
         if buf is None or buf.local.numel() < nbytes:
+            confirm_agreement()  # growing is collective: only if the ranks agreed on this call
             if buf is not None:
                 buf.free()
             self._views.clear()
@@ -283,12 +284,35 @@ class Agreement:
         self.counters = zeros(2, torch.int32, name="fused.agreement")  # epoch, arrivals
         self.slots = zeros(2 * self.world, torch.int64, name="fused.agreement_slots")
         self.skip = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        self.unconfirmed = False  # a meeting whose verdict the host has not read
 
     def __call__(self, sig: int) -> torch.Tensor:
         if self.world > 1:  # one rank always agrees with itself
             launch(_agree_kernel, (1,), self.counters.local, self.counters.handle, self.slots.local,
                    self.slots.handle, self.skip, sig, key="agree")
+            self.unconfirmed = True
         return self.skip
+
+    def confirm(self) -> None:
+        """Raise `MismatchError` on this rank if the ranks disagreed on the last call. Ops call it (through
+        `confirm_agreement`) before a host step that every rank must take together: making or growing a
+        symmetric buffer, tuning. A rank that alone needs such a step (its shapes differ) then raises instead of
+        waiting in it for peers that never come; they skip on the device and raise at `pk.sync()`. It waits for
+        the device, which is why only those rare steps pay for it."""
+        stream = torch.cuda.current_stream() if self.skip.is_cuda else None
+        if not self.unconfirmed or (stream is not None and stream.is_capturing()):
+            return
+        self.unconfirmed = False
+        if int(self.skip.item()):
+            check_errors()  # the meeting recorded what differed: raise that
+            raise MismatchError("ranks called a fused op differently (the device's record was already read)")
+
+
+def confirm_agreement() -> None:
+    """`Agreement.confirm` for the fused ops' agreement, if one exists (making it would itself be collective)."""
+    made = context().cache.get("agreement")
+    if made is not None:
+        made.confirm()
 
 
 def agreement() -> Agreement:
@@ -303,6 +327,7 @@ def workspace(name: str) -> Workspace:
     """The op's workspace, made on first use (collective, like the op itself); it lives in the context."""
     cache = context().cache
     if ("workspace", name) not in cache:
+        confirm_agreement()  # making it is collective: only if the ranks agreed on this call
         cache[("workspace", name)] = Workspace(name)
     return cache[("workspace", name)]
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..runtime.context import context
 from ..runtime.device import num_sms
+from ._collective import confirm_agreement
 
 
 def candidates() -> list[int]:
@@ -41,6 +42,7 @@ def tuned(key: tuple, run: Callable[[int], object], reps: int = 3) -> int:
     if len(options) == 1:
         ctx.cache[key] = options[0]
         return options[0]
+    confirm_agreement()  # every rank must tune together: only if the ranks agreed on this call
     times = []
     for count in options:
         run(count)  # compiles, allocates

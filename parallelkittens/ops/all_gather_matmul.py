@@ -119,6 +119,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     M = world * m_local
     sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
     agree(op, sig)
+    skip = agreement()(sig)  # first: what follows may be a host step all ranks take together (confirm_agreement)
     ws = workspace(op)
     a_full, a_full_handle = ws.view((M, K), a.dtype, slot=0)  # the gathered A
     num_chunks = cdiv(M, cfg.block_m)
@@ -129,7 +130,6 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     num_comm_tasks = my_chunks if world > 1 and m_local > 0 else 0
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    skip = agreement()(sig)
     if M == 0 or N == 0:  # only after the agreement: a rank that left before it would leave its peers waiting
         return c
     launch(_ag_matmul_kernel, grid(tiles, num_comm),

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..language.signals import arrive
 from ..runtime.context import context
 from ..runtime.device import num_sms
 from ..runtime.errors import PKError
@@ -39,14 +40,15 @@ class MatmulConfig:
     num_stages: int = 3
     num_warps: int = 8
     flatten: bool = False  # the plain GEMM only: one flattened loop over tiles and k, so loads run ahead
+    splits: int = 1  # the plain GEMM only: programs per output tile, each a slice of the k-loop (split-K)
 
     def validate(self) -> MatmulConfig:
         for field in ("block_m", "block_n", "block_k"):
             value = getattr(self, field)
             if value < 16 or value & (value - 1):
                 raise PKError(f"MatmulConfig.{field} must be a power of two >= 16, got {value}")
-        if self.group_m < 1 or self.num_stages < 1 or self.num_warps not in (4, 8):
-            raise PKError(f"MatmulConfig: group_m >= 1, num_stages >= 1, num_warps 4 or 8; got {self}")
+        if self.group_m < 1 or self.num_stages < 1 or self.num_warps not in (4, 8) or self.splits < 1:
+            raise PKError(f"MatmulConfig: group_m >= 1, num_stages >= 1, num_warps 4 or 8, splits >= 1; got {self}")
         return self
 
 
@@ -99,11 +101,11 @@ def tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.cons
 
 @triton.jit
 def mainloop(a_desc, b_desc, off_m, off_n, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             STAGES: tl.constexpr):
-    """The fp32 (BM, BN) tile of A[off_m:, :] @ B[:, off_n:]."""
+             STAGES: tl.constexpr, off_k=0):
+    """The fp32 (BM, BN) tile of A[off_m:, off_k:off_k + K] @ B[off_k:off_k + K, off_n:]."""
     acc = tl.zeros([BM, BN], tl.float32)
     for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
-        acc = tl.dot(a_desc.load([off_m, k * BK]), b_desc.load([k * BK, off_n]), acc)
+        acc = tl.dot(a_desc.load([off_m, off_k + k * BK]), b_desc.load([off_k + k * BK, off_n]), acc)
     return acc
 
 
@@ -142,6 +144,37 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.conste
         pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, STAGES)
         store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), pid_m * BM, pid_n * BN, BM, BN)
+
+
+@triton.jit
+def _matmul_split_k_kernel(a_ptr, b_ptr, c_ptr, part_ptr, arrived_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, SPLITS: tl.constexpr):
+    """Split-K for GEMMs with few output tiles: SPLITS programs per tile, each a slice of the k-loop. Each stores
+    its fp32 partial and counts itself in the tile's arrival counter; the last to arrive adds the others'
+    partials, writes the tile and re-arms the counter. Nobody waits, so the grid may exceed the SMs."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BM, BK])
+    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BK, BN])
+    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [BM, BN // 2])
+    tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    part_desc = tl.make_tensor_descriptor(part_ptr, [SPLITS * tiles * BM, BN], [BN, 1], [BM, BN // 2])
+    tile = tl.program_id(0) % tiles
+    split = tl.program_id(0) // tiles
+    pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
+    per_split = tl.cdiv(tl.cdiv(K, BK), SPLITS)
+    k_lo = tl.minimum(split * per_split * BK, K)
+    acc = mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, tl.minimum(k_lo + per_split * BK, K) - k_lo, BM, BN,
+                   BK, STAGES, k_lo)
+    store_tile(part_desc, acc, (split * tiles + tile) * BM, 0, BM, BN)
+    if arrive(arrived_ptr + tile) == SPLITS - 1:  # the last split of this tile: the others' partials are there
+        left, right = column_halves(acc, BM, BN)
+        for other in range(SPLITS):
+            if other != split:
+                row = (other * tiles + tile) * BM
+                left += part_desc.load([row, 0])
+                right += part_desc.load([row, BN // 2])
+        tl.store(arrived_ptr + tile, 0)  # every split of this tile has counted: the next call starts from zero
+        c_desc.store([pid_m * BM, pid_n * BN], left.to(c_ptr.dtype.element_ty))
+        c_desc.store([pid_m * BM, pid_n * BN + BN // 2], right.to(c_ptr.dtype.element_ty))
 
 
 def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) -> None:
@@ -185,7 +218,28 @@ def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None)
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+    if cfg.splits > 1 and tiles:
+        part, arrived = _split_k_scratch(cfg, tiles)
+        launch(_matmul_split_k_kernel, (tiles * cfg.splits,), a, b, c, part, arrived, M, N, K, BM=cfg.block_m,
+               BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, SPLITS=cfg.splits,
+               num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
+        return c
     launch(_matmul_kernel, (max(1, min(num_sms(), tiles)),),
         a, b, c, M, N, K, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, FLATTEN=cfg.flatten, num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
     return c
+
+
+def _split_k_scratch(cfg: MatmulConfig, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K's fp32 partials and zeroed arrival counters, kept per stream (kernels on two streams may overlap)
+    and grown as needed; a CUDA-graph capture that needs more gets its own, which the graph keeps."""
+    stream = torch.cuda.current_stream() if context().device.type == "cuda" else None
+    key = ("split_k", stream.stream_id if stream is not None else 0)
+    need = (cfg.splits * tiles * cfg.block_m * cfg.block_n, tiles)
+    have = context().cache.get(key)
+    if have is None or have[0].numel() < need[0] or have[1].numel() < need[1]:
+        have = (torch.empty(need[0], dtype=torch.float32, device=context().device),
+                torch.zeros(need[1], dtype=torch.int32, device=context().device))
+        if stream is None or not stream.is_capturing():
+            context().cache[key] = have
+    return have

@@ -136,6 +136,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     N = b.shape[1]
     sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
     agree(op, sig)
+    skip = agreement()(sig)  # first: what follows may be a host step all ranks take together (confirm_agreement)
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     ws = workspace(op)
@@ -145,7 +146,6 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     num_comm = comm_programs(num_comm_sms, (op, tuple(a.shape), tuple(b.shape), a.dtype, cfg),
                              lambda count: matmul_all_reduce(a, b, num_comm_sms=count, config=cfg))
     not_mine = tiles - ((ctx.local_rank + 1) * tiles // world - ctx.local_rank * tiles // world)
-    skip = agreement()(sig)
     if M == 0 or N == 0:  # only after the agreement: a rank that left before it would leave its peers waiting
         return out
     launch(_mm_ar_kernel, grid(tiles, num_comm), a, b, buf, buf_handle, res, res_handle, out, ctr_handle, M, N, K,

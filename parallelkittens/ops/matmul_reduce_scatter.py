@@ -122,19 +122,19 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     N = b.shape[1]
     sig = signature(op, tuple(a.shape), tuple(b.shape), str(a.dtype), cfg)
     agree(op, sig)
-    m_block = M // world
-    out = torch.empty(m_block, N, dtype=a.dtype, device=a.device)
-    per_owner = cdiv(m_block, cfg.block_m) * cdiv(N, cfg.block_n)  # tiles in one rank's row block
-    ws = workspace(op)
-    buf, buf_handle = ws.view((m_block, N), a.dtype, slot=0, zero=True)  # the peers' shares; owners re-zero it
-    ctr, ctr_handle = ws.view((per_owner,), torch.int32, slot=1, zero=True)  # shares in, per tile; owners reset
-    skip = agreement()(sig)
+    skip = agreement()(sig)  # first: what follows may be a host step all ranks take together (confirm_agreement)
     # Errors that may hold on some ranks only, and empty calls, leave only after the agreement: a rank that left
     # before it would leave its peers waiting there; after it, they skip their kernels and raise MismatchError.
     if M % world:
         raise PKError(f"{op}: M={M} rows do not divide by the world size {world}")
+    m_block = M // world
+    out = torch.empty(m_block, N, dtype=a.dtype, device=a.device)
     if out.numel() == 0:
         return out
+    per_owner = cdiv(m_block, cfg.block_m) * cdiv(N, cfg.block_n)  # tiles in one rank's row block
+    ws = workspace(op)
+    buf, buf_handle = ws.view((m_block, N), a.dtype, slot=0, zero=True)  # the peers' shares; owners re-zero it
+    ctr, ctr_handle = ws.view((per_owner,), torch.int32, slot=1, zero=True)  # shares in, per tile; owners reset
     launch(_mm_rs_kernel, grid(world * per_owner, 0), a, b, buf, buf_handle, ctr, ctr_handle, out, M, N, K,
            m_block, per_owner, skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
            STAGES=cfg.num_stages, num_warps=cfg.num_warps, key=sig)

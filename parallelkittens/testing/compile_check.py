@@ -24,6 +24,7 @@ MARKERS = {
     "proxy_fence": ("fence.proxy.async.global",),
     "tma_store": ("cp.async.bulk.tensor",),
     "tma_reduce": ("cp.reduce.async.bulk.tensor",),
+    "acq_rel_gpu_atomic": ("atom.global.gpu.acq_rel", "atom.global.acq_rel.gpu", "atom.acq_rel.gpu"),
     "globaltimer": ("%globaltimer",),
     "wgmma": ("wgmma.mma_async",),
     "vector_loads": ("ld.global.v4",),
@@ -34,7 +35,7 @@ def _kernels():
     from ..ops._collective import _agree_kernel, _pull_kernel
     from ..ops.all_gather_matmul import _ag_matmul_kernel
     from ..ops.barrier import _barrier_kernel
-    from ..ops.matmul import _matmul_kernel
+    from ..ops.matmul import _matmul_kernel, _matmul_split_k_kernel
     from ..ops.matmul_all_reduce import _mm_ar_kernel
     from ..ops.matmul_reduce_scatter import _mm_rs_kernel
     from ..template import example
@@ -96,6 +97,9 @@ def _kernels():
     }
     narrow = {**GEMM, "BN": 128, "STAGES": 5, "FLATTEN": True}  # matmul_config's choice when tiles are few
     kernels["matmul_narrow"] = (_matmul_kernel, kernels["matmul"][1], narrow)
+    split_k = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "part_ptr": "*fp32", "arrived_ptr": "*i32",
+               "M": "i32", "N": "i32", "K": "i32", **{k: "constexpr" for k in GEMM}, "SPLITS": "constexpr"}
+    kernels["matmul_split_k"] = (_matmul_split_k_kernel, split_k, {**GEMM, "BN": 128, "STAGES": 4, "SPLITS": 4})
     kernels["matmul_narrow_fp32"] = (_matmul_kernel, {k: "*fp32" if v == "*bf16" else v
                                                       for k, v in kernels["matmul"][1].items()},
                                      {**narrow, "BK": 32, "STAGES": 4})
