@@ -25,6 +25,9 @@ CONFIGS = [MatmulConfig(bm, bn, bk, 8, stages, warps, flatten) for bm, bn, bk, s
     (64, 64, 64, 6, 4, True), (64, 64, 128, 4, 4, True), (64, 64, 64, 3, 4, True), (64, 64, 32, 8, 4, True),
     (128, 64, 64, 5, 4, True), (128, 64, 128, 3, 4, True), (64, 128, 128, 3, 4, True), (64, 128, 64, 4, 4, False)]]
 CONFIGS += [MatmulConfig(128, n, 64, g, s, w, True) for n, s, w in [(128, 5, 4), (256, 3, 8)] for g in (4, 16)]
+# the warp-specialised ping-pong kernel (Hopper, Gluon): two consumer warp groups, 4 warps each
+CONFIGS += [MatmulConfig(bm, bn, 64, g, stages, 4, pingpong=True) for bm, bn in ((128, 128), (64, 256), (64, 128))
+            for stages in (4, 5) for g in (8,)]
 # split-K: several programs per output tile, the last to arrive adds the partials
 CONFIGS += [MatmulConfig(bm, bn, 64, 8, stages, warps, splits=splits) for bm, bn, stages, warps, most in [
     (128, 128, 4, 4, 8), (128, 256, 3, 8, 4), (64, 128, 4, 4, 4), (64, 256, 4, 4, 4)] for splits in range(2, most + 1)]
@@ -49,7 +52,8 @@ def _rank() -> None:
         print(f"{M}x{N}x{K}: cuBLAS {cublas:.0f} TFLOP/s", flush=True)
         for tflops, cfg in results[:int(os.environ.get("TUNE_TOP", 4))]:
             print(f"   {tflops:6.0f} ({tflops / cublas:.3f})  {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
-                  f"stages {cfg.num_stages} warps {cfg.num_warps} flatten {cfg.flatten} splits {cfg.splits}",
+                  f"stages {cfg.num_stages} warps {cfg.num_warps} flatten {cfg.flatten} splits {cfg.splits} "
+                  f"pingpong {cfg.pingpong}",
                   flush=True)
 
 

@@ -65,6 +65,15 @@ def test_gemm_core_uses_wgmma_and_tma(hot):
     assert "wgmma" in hot["matmul"] and "tma_store" in hot["matmul"]
 
 
+def test_pingpong_gemm_is_warp_specialised(hot, compiled):
+    from parallelkittens.ops import matmul_pingpong
+
+    if not matmul_pingpong.AVAILABLE:
+        pytest.skip("this Triton has no Gluon warp specialisation")
+    assert "wgmma" in hot["matmul_pingpong"] and "tma_store" in hot["matmul_pingpong"], hot["matmul_pingpong"]
+    assert "setmaxnreg" in hot["matmul_pingpong"], "no register reallocation between the roles"
+
+
 def test_split_k_publishes_partials_before_counting_them(hot):
     for marker in ("wgmma", "tma_store", "bulk_wait", "proxy_fence", "acq_rel_gpu_atomic"):
         assert marker in hot["matmul_split_k"], f"no {marker} in the split-K GEMM's PTX ({hot['matmul_split_k']})"

@@ -88,6 +88,33 @@ def test_split_k_gemm_matches_float64(splits):
     assert not failures, "; ".join(failures)
 
 
+def _pingpong() -> list[str]:
+    from parallelkittens.ops import matmul_pingpong
+
+    failures = [] if matmul_pingpong.usable(pk.context().device, torch.bfloat16) else ["ping-pong GEMM not usable"]
+    seed = shared_seed()
+    # one tile; ragged edges in every dimension; more tiles than SMs (both consumers, several tiles each)
+    for m, k, n in [(64, 64, 64), (200, 1000, 400), (130, 4096, 136), (4104, 264, 2056), (2048, 1024, 1536)]:
+        for cfg in (MatmulConfig(128, 128, 64, 8, 5, 4, pingpong=True), MatmulConfig(64, 256, 64, 8, 4, 4,
+                                                                                       pingpong=True)):
+            for dtype in (torch.bfloat16, torch.float16):
+                for call in range(2):
+                    a, b = rank_data((m, k), dtype, seed + call, 0), rank_data((k, n), dtype, seed + call, 1)
+                    out, ref = matmul(a, b, cfg), reference_matmul(a, b)
+                    err, worst = relative_error(out, ref), max_abs_error(out, ref) / float(ref.abs().max())
+                    if not (err <= BOUND[dtype] and worst <= 4 * BOUND[dtype]):
+                        failures.append(f"{m}x{k}x{n} {cfg.block_m}x{cfg.block_n} {dtype} call {call}: relative "
+                                        f"error {err:.2e}, worst element {worst:.2e}")
+    return failures
+
+
+@pytest.mark.gpu
+def test_pingpong_gemm_matches_float64():
+    """The warp-specialised Hopper GEMM (Gluon, no interpreter: GPU only)."""
+    failures = pk.spawn(_pingpong, 1, backend="cuda", timeout=600)[0]
+    assert not failures, "; ".join(failures)
+
+
 def _bad() -> list[str]:
     ctx = pk.context()
     dev = ctx.device

@@ -25,6 +25,7 @@ from ..runtime.device import num_sms
 from ..runtime.errors import PKError
 from ..runtime.launch import launch
 from ..runtime.sizes import cdiv
+from . import matmul_pingpong
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32 runs as tf32 on the tensor cores
 
@@ -41,6 +42,7 @@ class MatmulConfig:
     num_warps: int = 8
     flatten: bool = False  # the plain GEMM only: one flattened loop over tiles and k, so loads run ahead
     splits: int = 1  # the plain GEMM only: programs per output tile, each a slice of the k-loop (split-K)
+    pingpong: bool = False  # the plain GEMM only, on Hopper in 16-bit: the warp-specialised Gluon kernel
 
     def validate(self) -> MatmulConfig:
         for field in ("block_m", "block_n", "block_k"):
@@ -49,6 +51,9 @@ class MatmulConfig:
                 raise PKError(f"MatmulConfig.{field} must be a power of two >= 16, got {value}")
         if self.group_m < 1 or self.num_stages < 1 or self.num_warps not in (4, 8) or self.splits < 1:
             raise PKError(f"MatmulConfig: group_m >= 1, num_stages >= 1, num_warps 4 or 8, splits >= 1; got {self}")
+        if self.pingpong and (self.block_m < 64 or self.block_m * self.block_n > 128 * 128 or self.splits > 1):
+            raise PKError(f"MatmulConfig: ping-pong tiles need block_m >= 64, block_m * block_n <= 128 * 128 (one "
+                          f"warp group's accumulator in registers) and no split; got {self}")
         return self
 
 
@@ -218,6 +223,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None)
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+    if cfg.pingpong and tiles and K and matmul_pingpong.usable(a.device, a.dtype):
+        # 4 warps per consumer, and the register budget the three roles share (168 x 384 threads = the SM's 64K)
+        launch(matmul_pingpong._pingpong_kernel, (min(num_sms(), tiles),), a, b, c, M, N, K, BM=cfg.block_m,
+               BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+               **matmul_pingpong.layouts(a.dtype, cfg.block_m, cfg.block_n, cfg.block_k), num_warps=4, maxnreg=168,
+               key=(M, N, K, a.dtype, cfg))
+        return c
     if cfg.splits > 1 and tiles:
         part, arrived = _split_k_scratch(cfg, tiles)
         launch(_matmul_split_k_kernel, (tiles * cfg.splits,), a, b, c, part, arrived, M, N, K, BM=cfg.block_m,

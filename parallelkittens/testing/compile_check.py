@@ -24,6 +24,7 @@ MARKERS = {
     "proxy_fence": ("fence.proxy.async.global",),
     "tma_store": ("cp.async.bulk.tensor",),
     "tma_reduce": ("cp.reduce.async.bulk.tensor",),
+    "setmaxnreg": ("setmaxnreg.",),
     "acq_rel_gpu_atomic": ("atom.global.gpu.acq_rel", "atom.global.acq_rel.gpu", "atom.acq_rel.gpu"),
     "globaltimer": ("%globaltimer",),
     "wgmma": ("wgmma.mma_async",),
@@ -32,6 +33,9 @@ MARKERS = {
 
 
 def _kernels():
+    import torch
+
+    from ..ops import matmul_pingpong
     from ..ops._collective import _agree_kernel, _pull_kernel
     from ..ops.all_gather_matmul import _ag_matmul_kernel
     from ..ops.barrier import _barrier_kernel
@@ -100,6 +104,12 @@ def _kernels():
     split_k = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "part_ptr": "*fp32", "arrived_ptr": "*i32",
                "M": "i32", "N": "i32", "K": "i32", **{k: "constexpr" for k in GEMM}, "SPLITS": "constexpr"}
     kernels["matmul_split_k"] = (_matmul_split_k_kernel, split_k, {**GEMM, "BN": 128, "STAGES": 4, "SPLITS": 4})
+    if matmul_pingpong.AVAILABLE:
+        pingpong = {**{k: v for k, v in kernels["matmul"][1].items() if k != "FLATTEN"}, "A_LAYOUT": "constexpr",
+                    "B_LAYOUT": "constexpr", "C_LAYOUT": "constexpr"}
+        kernels["matmul_pingpong"] = (matmul_pingpong._pingpong_kernel, pingpong,
+                                      {**GEMM, "BN": 128, "STAGES": 5,
+                                       **matmul_pingpong.layouts(torch.bfloat16, 128, 128, 64)})
     kernels["matmul_narrow_fp32"] = (_matmul_kernel, {k: "*fp32" if v == "*bf16" else v
                                                       for k, v in kernels["matmul"][1].items()},
                                      {**narrow, "BK": 32, "STAGES": 4})
@@ -108,6 +118,12 @@ def _kernels():
         kernels[name + "_fp32"] = (fn, {k: "*fp32" if v == "*bf16" else v for k, v in signature.items()},
                                    {**constexprs, "BK": 32})
     return kernels
+
+
+def _gluon_source():
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return GluonASTSource
 
 
 def compile_all(arch: int) -> dict[str, dict]:
@@ -120,9 +136,10 @@ def compile_all(arch: int) -> dict[str, dict]:
     found, shared = {}, {}
     for name, (fn, signature, constexprs, *aligned) in _kernels().items():
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (aligned[0] if aligned else ())}
-        src = ASTSource(fn, signature, constexprs, attrs=attrs)
+        gluon = type(fn).__name__ == "GluonJITFunction"  # the Hopper ping-pong GEMM (ops/matmul_pingpong.py)
+        src = (_gluon_source() if gluon else ASTSource)(fn, signature, constexprs, attrs=attrs)
         gemm = "BM" in constexprs and constexprs.get("BN") == 256
-        options = {"num_warps": 8} if gemm else {}
+        options = {"num_warps": 4, "maxnreg": 168} if gluon else {"num_warps": 8} if gemm else {}
         kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         ptx = kernel.asm["ptx"]
         found[name] = sorted(m for m, needles in MARKERS.items() if any(n in ptx for n in needles))
