@@ -3,6 +3,7 @@ best first per shape. A developer's tool for choosing `ops.matmul.default_config
 
     python scripts/tune_matmul.py                      # every shape of bench/matmul.py
     TUNE_SHAPES=4096x512x4096,4096x4096x512 python scripts/tune_matmul.py
+    TUNE_ONLY=pingpong,split TUNE_TOP=8 python scripts/tune_matmul.py   # some kinds of configuration, 8 best
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ CONFIGS += [MatmulConfig(bm, bn, 64, 8, stages, warps, splits=splits) for bm, bn
     (128, 128, 4, 4, 8), (128, 256, 3, 8, 4), (64, 128, 4, 4, 4), (64, 256, 4, 4, 4)] for splits in range(2, most + 1)]
 
 
+KINDS = {"pingpong": lambda c: c.pingpong, "split": lambda c: c.splits > 1,
+         "tl": lambda c: not c.pingpong and c.splits == 1}
+
+
 def _rank() -> None:
+    only = os.environ.get("TUNE_ONLY")  # e.g. "pingpong,split": only those kinds of configuration
+    configs = [c for c in CONFIGS if not only or any(KINDS[kind](c) for kind in only.split(","))]
     picked = os.environ.get("TUNE_SHAPES")
     shapes = [tuple(map(int, s.split("x"))) for s in picked.split(",")] if picked else SHAPES
     for M, N, K in shapes:
@@ -41,15 +48,17 @@ def _rank() -> None:
         b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
         flops = 2 * M * N * K
         cublas = flops / triton.testing.do_bench(lambda: torch.matmul(a, b), return_mode="median") / 1e9  # noqa: B023
+        chosen = flops / triton.testing.do_bench(lambda: matmul(a, b), return_mode="median") / 1e9  # noqa: B023
         results = []
-        for cfg in CONFIGS:
+        for cfg in configs:
             try:
                 ms = triton.testing.do_bench(lambda: matmul(a, b, cfg), return_mode="median")  # noqa: B023
                 results.append((flops / ms / 1e9, cfg))
             except Exception as e:  # out of shared memory and the like: say so and go on
                 print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
         results.sort(key=lambda r: -r[0])
-        print(f"{M}x{N}x{K}: cuBLAS {cublas:.0f} TFLOP/s", flush=True)
+        print(f"{M}x{N}x{K}: cuBLAS {cublas:.0f} TFLOP/s; matmul_config's choice {chosen:.0f} ({chosen / cublas:.3f})",
+              flush=True)
         for tflops, cfg in results[:int(os.environ.get("TUNE_TOP", 4))]:
             print(f"   {tflops:6.0f} ({tflops / cublas:.3f})  {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
                   f"stages {cfg.num_stages} warps {cfg.num_warps} flatten {cfg.flatten} splits {cfg.splits} "
