@@ -14,7 +14,7 @@ SHAPES = [(8192, 8192, 8192)] + [s for n in (2048, 4096, 8192, 16384, 32768) for
 
 
 def _rank() -> list[dict]:
-    from ..ops.matmul import matmul
+    from ..ops.matmul import matmul, matmul_config
 
     rows = []
     for M, N, K in SHAPES:
@@ -27,7 +27,8 @@ def _rank() -> list[dict]:
                   for _ in range(3)]
         ours, cublas = (sorted(times)[1] for times in zip(*rounds, strict=True))
         flops = 2 * M * N * K
-        rows.append({"M": M, "N": N, "K": K, "ours_ms": ours, "cublas_ms": cublas, "ours_tflops": flops / ours / 1e9,
+        rows.append({"M": M, "N": N, "K": K, "config": repr(matmul_config(M, N, K, a.dtype)), "ours_ms": ours,
+                     "cublas_ms": cublas, "ours_tflops": flops / ours / 1e9,
                      "cublas_tflops": flops / cublas / 1e9, "vs_cublas": cublas / ours, "rel_error": err,
                      "pass": err < 1e-2 and cublas / ours >= 1.0})
     return rows

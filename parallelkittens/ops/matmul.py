@@ -70,7 +70,7 @@ def _gpu_default_config(dtype: torch.dtype) -> MatmulConfig:
     return MatmulConfig(block_k=32 if dtype == torch.float32 else 64)
 
 
-def matmul_config(M: int, N: int, dtype: torch.dtype) -> MatmulConfig:
+def matmul_config(M: int, N: int, K: int, dtype: torch.dtype) -> MatmulConfig:
     """The plain GEMM's tiles, from a sweep on an H200 (scripts/tune_matmul.py): the flattened loop wins or
     ties everywhere; when 128x256 tiles would leave half the SMs idle, 128x128 tiles with 5 stages and 4 warps
     win (4096x512x4096: 64 tiles of 128x256). With more tiles 128x256 stays: at 2048^3 (128 tiles) the switch
@@ -210,7 +210,7 @@ def prepare(op: str, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | No
     operands and the validated configuration (with `plain`, the plain GEMM's choice for this shape)."""
     check_operands(op, a, b)
     if config is None and plain:
-        return a.contiguous(), b.contiguous(), matmul_config(a.shape[0], b.shape[1], a.dtype)
+        return a.contiguous(), b.contiguous(), matmul_config(a.shape[0], b.shape[1], a.shape[1], a.dtype)
     if num_comm_sms is not None and not 1 <= num_comm_sms < num_sms():
         raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
     return a.contiguous(), b.contiguous(), (config or default_config(a.dtype)).validate()
