@@ -75,9 +75,11 @@ if AVAILABLE:
                 step += 1
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, FIRST: gl.constexpr,
+    def _consumer(a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem, M, N, K, FIRST: gl.constexpr,
                   GROUP_M: gl.constexpr):
-        """One warp group: the program's tiles FIRST, FIRST + 2, ...; k-loop on wgmma, then the epilogue."""
+        """One warp group: the program's tiles FIRST, FIRST + 2, ...; k-loop on wgmma, then the epilogue. The
+        two take turns issuing their k-loops (`turns[c]`: consumer c's turn), so that one's epilogue runs while
+        the other's MMAs do; without turns both would start together and store together."""
         BM: gl.constexpr = c_desc.block_type.shape[0]
         BN: gl.constexpr = c_desc.block_type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
@@ -91,6 +93,7 @@ if AVAILABLE:
         for j in range(FIRST, gl.cdiv(tiles - pid, programs), 2):
             off_m, off_n = _tile_origin(pid + j * programs, M, N, BM, BN, GROUP_M)
             acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+            mbarrier.wait(turns.index(FIRST), (j // 2 & 1) ^ (1 - FIRST))  # consumer 0 has the first turn
             for k in range(k_steps):
                 step = j * k_steps + k
                 s = step % STAGES
@@ -98,6 +101,7 @@ if AVAILABLE:
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the previous step's MMAs are done:
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)  # its stage is free
+            mbarrier.arrive(turns.index(1 - FIRST))  # every MMA of this tile is issued: the other's turn
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((j * k_steps + k_steps - 1) % STAGES))  # K > 0: the host sees to it
             tma.store_wait(pendings=0)  # this warp group's previous tile has left c_smem
@@ -107,8 +111,8 @@ if AVAILABLE:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _second_consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, GROUP_M: gl.constexpr):
-        _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, 1, GROUP_M)
+    def _second_consumer(a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem, M, N, K, GROUP_M: gl.constexpr):
+        _consumer(a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem, M, N, K, 1, GROUP_M)
 
     @gluon.jit
     def _pingpong_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
@@ -124,12 +128,15 @@ if AVAILABLE:
         c_smem1 = gl.allocate_shared_memory(dtype, [BM, BN], C_LAYOUT)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
+        for c in gl.static_range(2):
+            mbarrier.init(turns.index(c), count=1)
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem0, M, N, K, 0, GROUP_M)),
-            (_second_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem1, M, N, K, GROUP_M)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem0, M, N, K, 0, GROUP_M)),
+            (_second_consumer, (a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem1, M, N, K, GROUP_M)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
         ], [4, 1], [232, 40])
 
