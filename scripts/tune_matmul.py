@@ -27,8 +27,8 @@ CONFIGS = [MatmulConfig(bm, bn, bk, 8, stages, warps, flatten) for bm, bn, bk, s
     (128, 64, 64, 5, 4, True), (128, 64, 128, 3, 4, True), (64, 128, 128, 3, 4, True), (64, 128, 64, 4, 4, False)]]
 CONFIGS += [MatmulConfig(128, n, 64, g, s, w, True) for n, s, w in [(128, 5, 4), (256, 3, 8)] for g in (4, 16)]
 # the warp-specialised ping-pong kernel (Hopper, Gluon): two consumer warp groups, 4 warps each
-CONFIGS += [MatmulConfig(bm, bn, 64, g, stages, 4, pingpong=True) for bm, bn in ((128, 128), (64, 256), (64, 128))
-            for stages in (4, 5) for g in (8,)]
+CONFIGS += [MatmulConfig(bm, bn, 64, 8, stages, 4, pingpong=True) for bm, bn, most in (
+    (128, 128, 5), (64, 256, 4), (64, 128, 6), (128, 64, 6), (64, 64, 8)) for stages in range(4, most + 1)]
 # split-K: several programs per output tile, the last to arrive adds the partials
 CONFIGS += [MatmulConfig(bm, bn, 64, 8, stages, warps, splits=splits) for bm, bn, stages, warps, most in [
     (128, 128, 4, 4, 8), (128, 256, 3, 8, 4), (64, 128, 4, 4, 4), (64, 256, 4, 4, 4)] for splits in range(2, most + 1)]

@@ -192,15 +192,15 @@ def test_ranks_die_with_a_killed_parent():
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join([here, os.path.dirname(here)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT], stdout=subprocess.PIPE, text=True, cwd=here,
-                              env=dict(os.environ, PYTHONPATH=path))
+                              env=dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1"))  # backend cpu, on GPU too
     try:
         pid = int(parent.stdout.readline())
         deadline = time.monotonic() + 60
         ranks: list[int] = []
-        while len(ranks) < 2 and time.monotonic() < deadline:
+        while len(ranks) < 2 and time.monotonic() < deadline and parent.poll() is None:
             ranks = [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
             time.sleep(0.2)
-        assert len(ranks) >= 2, f"the parent started {ranks}"
+        assert len(ranks) >= 2, f"the parent started {ranks} (exit code {parent.poll()}; its stderr is above)"
         time.sleep(2)  # let the ranks reach fn
     finally:
         parent.kill()

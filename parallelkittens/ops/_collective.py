@@ -299,8 +299,7 @@ class Agreement:
         symmetric buffer, tuning. A rank that alone needs such a step (its shapes differ) then raises instead of
         waiting in it for peers that never come; they skip on the device and raise at `pk.sync()`. It waits for
         the device, which is why only those rare steps pay for it."""
-        stream = torch.cuda.current_stream() if self.skip.is_cuda else None
-        if not self.unconfirmed or (stream is not None and stream.is_capturing()):
+        if not self.unconfirmed or (self.skip.is_cuda and torch.cuda.is_current_stream_capturing()):
             return
         self.unconfirmed = False
         if int(self.skip.item()):

@@ -71,19 +71,36 @@ def _gpu_default_config(dtype: torch.dtype) -> MatmulConfig:
 
 
 def matmul_config(M: int, N: int, K: int, dtype: torch.dtype) -> MatmulConfig:
-    """The plain GEMM's tiles, from a sweep on an H200 (scripts/tune_matmul.py): the flattened loop wins or
-    ties everywhere; when 128x256 tiles would leave half the SMs idle, 128x128 tiles with 5 stages and 4 warps
-    win (4096x512x4096: 64 tiles of 128x256). With more tiles 128x256 stays: at 2048^3 (128 tiles) the switch
-    to 256 tiles of 128x128 made two waves, 34.6 µs on the device against 27 µs."""
+    """The plain GEMM's tiles, from sweeps on an H200 (scripts/tune_matmul.py; figures against cuBLAS):
+
+    * 128x256 tiles in the flattened loop win or tie wherever they make more than half a wave;
+    * where they would leave half the SMs idle, 128x128 with 5 stages and 4 warps (4096x512x4096: 0.89-0.90
+      against 0.80); with more tiles 128x256 stays (2048^3: 256 tiles of 128x128 made two waves, 34.6 µs vs 27);
+    * where even 64x64 tiles make at most one wave, 64x64x128 with 4 stages (2048x256x2048: 0.80 against 0.59);
+    * a k-loop of at most 4 steps, where the epilogue is much of the time, on Hopper in 16-bit: the ping-pong
+      kernel, one consumer's epilogue under the other's MMAs (2048x2048x256: 0.84-0.87 against 0.80).
+      At K = 512 and above it only ties, and at 8192^3 it loses (0.99 against 1.04).
+    Split-K lost at every benchmark shape and is never chosen."""
     if context().device.type != "cuda":
         return default_config(dtype)
-    return _gpu_matmul_config(2 * cdiv(M, 128) * cdiv(N, 256) <= num_sms(), dtype)
+    if cdiv(M, 64) * cdiv(N, 64) <= num_sms():
+        shape = "tiny"
+    elif K <= 256 and matmul_pingpong.usable(context().device, dtype):
+        shape = "short_k"
+    else:
+        shape = "few_tiles" if 2 * cdiv(M, 128) * cdiv(N, 256) <= num_sms() else "large"
+    return _gpu_matmul_config(shape, dtype)
 
 
 @functools.cache  # a call's host cost matters for small GEMMs: build each configuration once
-def _gpu_matmul_config(few_tiles: bool, dtype: torch.dtype) -> MatmulConfig:
+def _gpu_matmul_config(shape: str, dtype: torch.dtype) -> MatmulConfig:
     cfg = replace(_gpu_default_config(dtype), flatten=True)
-    if few_tiles:
+    if shape == "tiny":
+        cfg = replace(cfg, block_m=64, block_n=64, block_k=64 if dtype == torch.float32 else 128, num_stages=4,
+                      num_warps=4)
+    elif shape == "short_k":
+        cfg = replace(cfg, block_n=128, num_stages=4, num_warps=4, flatten=False, pingpong=True)
+    elif shape == "few_tiles":
         cfg = replace(cfg, block_n=128, num_stages=5 if dtype != torch.float32 else 4, num_warps=4)
     return cfg.validate()
 
@@ -252,6 +269,6 @@ def _split_k_scratch(cfg: MatmulConfig, tiles: int) -> tuple[torch.Tensor, torch
     if have is None or have[0].numel() < need[0] or have[1].numel() < need[1]:
         have = (torch.empty(need[0], dtype=torch.float32, device=context().device),
                 torch.zeros(need[1], dtype=torch.int32, device=context().device))
-        if stream is None or not stream.is_capturing():
+        if stream is None or not torch.cuda.is_current_stream_capturing():
             context().cache[key] = have
     return have

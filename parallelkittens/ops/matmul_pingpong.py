@@ -13,7 +13,8 @@ Stages pass between them on mbarriers: `ready[s]` completes when stage s's loads
 j * k_steps + k, so both sides compute stage and phase from the tile's number: no shared counters.
 
 Gluon has no interpreter, so the CPU tests run `ops.matmul`'s `tl` kernel; `tests/test_compile.py` compiles
-this one for sm_90, and the GPU tests and `bench matmul` run it (`matmul_config` chooses it on Hopper).
+this one for sm_90, and the GPU tests and `bench matmul` run it (`matmul_config` chooses it on Hopper for
+k-loops of at most 4 steps, where it wins; from K = 512 it ties the `tl` kernel, and at 8192³ it loses).
 """
 
 from __future__ import annotations
