@@ -1,10 +1,11 @@
 """Where small GEMMs and the fused ops at one rank lose time, on one GPU. A developer's tool; prints plain text.
 
-1. Descriptors made on the host (TMA maps passed as kernel parameters, as cuBLAS does) against descriptors made
-   in the kernel (`tl.make_tensor_descriptor`: every program writes its maps to global memory and fences them
-   before its first load), same tiles, at the W = 8 local shapes where the GEMM trails cuBLAS.
-2. The fused ops at one rank against the plain GEMM at 2048^3: device time per call from a CUDA graph, with
-   variants that leave out one step each (the agreement flag read first, the flattened loop).
+1. Descriptors made on the host (TMA maps passed as kernel parameters, as cuBLAS does; `ops.matmul` since
+   2026-12-04) against descriptors made in the kernel (`tl.make_tensor_descriptor`: every program writes its
+   maps to global memory and fences them before its first load), same tiles, at the W = 8 local shapes, and
+   other tiles where the GEMM trails cuBLAS.
+2. The fused ops at one rank against the plain GEMM at 2048^3: device time per call from a CUDA graph, and
+   host time per call issued back to back.
 
     python scripts/diagnose_gemm.py
 """
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 
 import torch
@@ -20,19 +22,16 @@ import triton.language as tl
 
 import parallelkittens as pk
 from parallelkittens.bench.collectives import _graph_ms
-from parallelkittens.ops import matmul_reduce_scatter as rs
-from parallelkittens.ops._collective import workspace
 from parallelkittens.ops.matmul import (
     MatmulConfig,
-    default_config,
     mainloop,
     matmul,
     matmul_config,
     store_tile,
     tile_coords,
 )
+from parallelkittens.runtime.device import num_sms
 from parallelkittens.runtime.sizes import cdiv
-from parallelkittens.template import lcsc
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -41,32 +40,26 @@ except ImportError:  # pragma: no cover
 
 
 @triton.jit
-def _host_desc_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr):
+def _device_desc_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr):
+    """ops.matmul's kernel as it was before 2026-12-04: descriptors made in the kernel."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BM, BK])
+    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BK, BN])
+    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [BM, BN // 2])
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, STAGES)
-        store_tile(c_desc, acc.to(c_desc.dtype), pid_m * BM, pid_n * BN, BM, BN)
+        store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), pid_m * BM, pid_n * BN, BM, BN)
 
 
-def host_desc_matmul(a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig, c: torch.Tensor) -> torch.Tensor:
+def device_desc_matmul(a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig, c: torch.Tensor) -> torch.Tensor:
     M, K = a.shape
     N = b.shape[1]
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    _host_desc_kernel[(min(132, tiles),)](
-        TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
-        TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n]),
-        TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n // 2]), M, N, K, BM=cfg.block_m, BN=cfg.block_n,
-        BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, FLATTEN=cfg.flatten, num_warps=cfg.num_warps)
+    _device_desc_kernel[(min(num_sms(), tiles),)](a, b, c, M, N, K, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                                                   GROUP_M=cfg.group_m, STAGES=cfg.num_stages, FLATTEN=cfg.flatten,
+                                                   num_warps=cfg.num_warps)
     return c
-
-
-@triton.jit
-def _rs_unchecked(a_ptr, b_ptr, buf_ptr, hb, ctr_ptr, hc, out_ptr, M, N, K, m_block, per_owner,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr):
-    """matmul_reduce_scatter's kernel without reading the agreement flag first (one rank only)."""
-    G = (a_ptr, b_ptr, buf_ptr, hb, ctr_ptr, hc, out_ptr, M, N, K, m_block, per_owner)
-    lcsc(G, (BM, BN, BK, GROUP_M, STAGES), per_owner, 0, 0, None, rs._consumer, rs._storer, None)
 
 
 def _do_bench_us(fn) -> float:
@@ -81,7 +74,12 @@ def _descriptors(dev: torch.device) -> None:
     extra = {(2048, 256, 2048): [MatmulConfig(64, 64, 128, 8, s, 4, True) for s in (3, 5, 6)]
              + [MatmulConfig(64, 64, 256, 8, 3, 4, True), MatmulConfig(64, 64, 64, 8, 8, 4, True),
                 MatmulConfig(64, 64, 128, 4, 4, 4, True), MatmulConfig(64, 64, 128, 16, 4, 4, True)],
-             (4096, 512, 4096): [MatmulConfig(128, 128, 64, 8, 6, 4, True), MatmulConfig(128, 128, 128, 8, 3, 4, True)]}
+             (4096, 512, 4096): [MatmulConfig(128, 128, 64, 8, 6, 4, True), MatmulConfig(128, 128, 128, 8, 3, 4, True),
+                                 MatmulConfig(128, 128, 64, 8, 5, 4, pingpong=True)],
+             (2048, 2048, 256): [MatmulConfig(128, 128, 64, 8, 4, 4, True), MatmulConfig(128, 256, 64, 8, 3, 8, True),
+                                 MatmulConfig(64, 256, 64, 8, 4, 4, pingpong=True)],
+             (4096, 4096, 512): [MatmulConfig(128, 128, 64, 8, 4, 4, pingpong=True)],
+             (2048, 2048, 2048): [MatmulConfig(128, 128, 64, 8, 4, 4, pingpong=True)]}
     for M, N, K in shapes:
         a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         b = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
@@ -89,17 +87,18 @@ def _descriptors(dev: torch.device) -> None:
         ref = a.float() @ b.float()
         chosen = matmul_config(M, N, K, a.dtype)
         tl_cfg = chosen if not chosen.pingpong else replace(chosen, pingpong=False, flatten=True)
-        fns = {"cublas": lambda: torch.matmul(a, b), "pk.matmul": lambda: matmul(a, b)}  # noqa: B023
-        for cfg in [tl_cfg, *extra.get((M, N, K), [])]:
-            tag = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} w{cfg.num_warps} g{cfg.group_m}"
-            fns[f"dev {tag}"] = lambda cfg=cfg: matmul(a, b, cfg)  # noqa: B023
-            fns[f"host {tag}"] = lambda cfg=cfg: host_desc_matmul(a, b, cfg, c)  # noqa: B023
+        fns = {"cublas": lambda: torch.matmul(a, b), "pk.matmul": lambda: matmul(a, b),  # noqa: B023
+               "device descriptors": lambda: device_desc_matmul(a, b, tl_cfg, c)}  # noqa: B023
+        for cfg in extra.get((M, N, K), []):
+            tag = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} w{cfg.num_warps} g{cfg.group_m}"
+                   + (" pingpong" if cfg.pingpong else ""))
+            fns[tag] = lambda cfg=cfg: matmul(a, b, cfg)  # noqa: B023
         best: dict[str, float] = {}
         for _ in range(3):
             for name, fn in list(fns.items()):
                 try:
                     out = fn()
-                    if name.startswith("host"):
+                    if name != "cublas":
                         torch.cuda.synchronize()
                         err = ((out.float() - ref).norm() / ref.norm()).item()
                         if err > 1e-2:
@@ -120,24 +119,11 @@ def _fused(dev: torch.device) -> None:
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     c = torch.empty(n, n, device=dev, dtype=torch.bfloat16)
     plain = matmul_config(n, n, n, a.dtype)
-    pk.ops.matmul_reduce_scatter(a, b)  # makes the workspace
-    cfg = default_config(a.dtype)  # the fused ops' tiles
-    per_owner = cdiv(n, cfg.block_m) * cdiv(n, cfg.block_n)
-    ws = workspace("matmul_reduce_scatter")
-    buf, hb = ws.view((n, n), a.dtype, slot=0, zero=True)
-    ctr, hc = ws.view((per_owner,), torch.int32, slot=1, zero=True)
-    out = torch.empty(n, n, device=dev, dtype=a.dtype)
-
-    def rs_unchecked():
-        _rs_unchecked[(min(132, per_owner),)](a, b, buf, hb, ctr, hc, out, n, n, n, n, per_owner, BM=cfg.block_m,
-                                              BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-                                              STAGES=cfg.num_stages, num_warps=cfg.num_warps)
-
     fns = {"pk.matmul (flatten)": lambda: matmul(a, b), "torch": lambda: a @ b,
            "tl not flattened": lambda: matmul(a, b, replace(plain, flatten=False)),
-           "host desc (flatten)": lambda: host_desc_matmul(a, b, plain, c),
-           "mm_rs": lambda: pk.ops.matmul_reduce_scatter(a, b), "mm_rs no flag read": rs_unchecked,
-           "mm_ar": lambda: pk.ops.matmul_all_reduce(a, b), "ag_mm": lambda: pk.ops.all_gather_matmul(a, b)}
+           "device descriptors": lambda: device_desc_matmul(a, b, plain, c),
+           "mm_rs": lambda: pk.ops.matmul_reduce_scatter(a, b), "mm_ar": lambda: pk.ops.matmul_all_reduce(a, b),
+           "ag_mm": lambda: pk.ops.all_gather_matmul(a, b)}
     best: dict[str, float] = {}
     for _ in range(3):
         for name, fn in list(fns.items()):
@@ -147,7 +133,21 @@ def _fused(dev: torch.device) -> None:
                 print(f"  {name}: {type(e).__name__}: {str(e)[:160]}")
                 fns.pop(name)
     for name, us in best.items():
-        print(f"   {name:<24} {us:7.2f} µs   vs pk.matmul {us / best['pk.matmul (flatten)']:6.3f}")
+        print(f"   {name:<24} {us:7.2f} µs   vs pk.matmul {us / best['pk.matmul (flatten)']:6.3f}   host "
+              f"{_host_us(fns[name]):6.1f} µs per call")
+
+
+def _host_us(fn, calls: int = 300) -> float:
+    """Wall time per call issued back to back, the device kept busy first so that the host's share shows."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return issued * 1e6 / calls
 
 
 def _cublas_kernels(dev: torch.device) -> None:

@@ -87,12 +87,11 @@ def _agree_kernel(ctr_ptr, hc, slots_ptr, hs, skip_ptr, sig):
 
 
 @triton.jit
-def agreed(skip_ptr, h):
-    """Whether the ranks agreed on this call (`Agreement`'s flag is zero), in a fused op's kernel. It reads the
-    handle `h` in the same breath, so that the handle's cache miss overlaps the flag's rather than following
-    it: the op's first steps read its rank and world size from the handle."""
-    world = pkl.world_size(h)
-    return (tl.load(skip_ptr) == 0) & (world > 0)
+def agreed(skip_ptr):
+    """Whether the ranks agreed on this call (`Agreement`'s flag is zero), in a fused op's kernel: its `go` for
+    `lcsc`, which reads it only where a program first needs it, so that the load's latency hides behind the
+    first tile's k-loop."""
+    return tl.load(skip_ptr) == 0
 
 
 @triton.jit

@@ -27,7 +27,7 @@ from ..runtime.sizes import cdiv, next_power_of_2
 from ..template import grid, lcsc
 from ._collective import agree, agreed, agreement, signature, workspace
 from ._tuning import comm_programs
-from .matmul import MatmulConfig, mainloop, prepare, store_tile, tile_coords
+from .matmul import MatmulConfig, descriptor, mainloop, prepare, store_tile, tile_coords
 
 
 def reference_all_gather_matmul(shards: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
@@ -45,39 +45,34 @@ def _chunk_writers(chunk, m_local, M, BM):
 
 @triton.jit
 def _consumer(G, C, task, loader):
-    a_ptr, a_full_ptr, b_ptr, flags_ptr, hf, m_local, M, N, K = G[0], G[1], G[2], G[4], G[5], G[7], G[8], G[9], G[10]
-    me = pkl.rank(hf)
+    flags_ptr, hf, m_local, M, N, K, me = G[4], G[5], G[7], G[8], G[9], G[10], G[13]
     tiles_m = tl.cdiv(M, C[0])
     pid_m, pid_n = tile_coords(task, M, N, C[0], C[1], C[3])
     # rotate rows so that this rank's own block comes first
     pid_m = (pid_m + (me * m_local) // C[0]) % tiles_m
-    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [C[2], C[1]])
     row0 = pid_m * C[0]
     # rows wholly mine come straight from the local shard; others from the gathered A once their chunk is in.
-    # One descriptor and one k-loop for both: two k-loops would each hold their own shared-memory pipeline.
-    src, rows, first = a_full_ptr, M, row0
+    # One k-loop for both: two k-loops would each hold their own shared-memory pipeline.
+    a_desc, first = G[11], row0
     if (row0 >= me * m_local) & (tl.minimum(row0 + C[0], M) <= (me + 1) * m_local):
-        src, rows, first = a_ptr, m_local, row0 - me * m_local
-    else:
+        a_desc, first = G[0], row0 - me * m_local
+    elif G[15]:  # the ranks agreed on this call (else nobody pushes rows: compute on what is there, store nothing)
         pkl.wait(flags_ptr + pid_m, _chunk_writers(pid_m, m_local, M, C[0]), hf)
-    a_desc = tl.make_tensor_descriptor(src, [rows, K], [K, 1], [C[0], C[2]])
-    acc = mainloop(a_desc, b_desc, first, pid_n * C[1], K, C[0], C[1], C[2], C[4])
+    acc = mainloop(a_desc, G[2], first, pid_n * C[1], K, C[0], C[1], C[2], C[4])
     return acc, pid_m, pid_n
 
 
 @triton.jit
 def _storer(G, C, task, result):
     acc, pid_m, pid_n = result
-    c_ptr, M, N = G[3], G[8], G[9]
-    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [C[0], C[1] // 2])
-    store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), pid_m * C[0], pid_n * C[1], C[0], C[1])
+    store_tile(G[3], acc.to(G[3].dtype), pid_m * C[0], pid_n * C[1], C[0], C[1])
 
 
 @triton.jit
 def _communicator(G, C, task):
     """Push this rank's rows of gathered row chunk `first_chunk + task` to every rank, then signal it."""
-    a_ptr, a_full_ptr, flags_ptr, hf, h, m_local, K = G[0], G[1], G[4], G[5], G[6], G[7], G[10]
-    me = pkl.rank(h)
+    a_ptr, a_full_ptr, flags_ptr, hf, h, m_local, K = G[12], G[1], G[4], G[5], G[6], G[7], G[10]
+    me, world = G[13], G[14]
     chunk = (me * m_local) // C[0] + task
     rows = chunk * C[0] + tl.arange(0, C[0]).to(tl.int64)  # int64: rows * K may pass 2^31
     mine = (rows >= me * m_local) & (rows < (me + 1) * m_local)
@@ -85,21 +80,23 @@ def _communicator(G, C, task):
         cols = k0 + tl.arange(0, C[5])
         mask = mine[:, None] & (cols < K)[None, :]
         tile = tl.load(a_ptr + (rows - me * m_local)[:, None] * K + cols[None, :], mask=mask)
-        for i in range(pkl.world_size(h)):
-            peer = (me + i) % pkl.world_size(h)
+        for i in range(world):
+            peer = (me + i) % world
             pkl.store(a_full_ptr + rows[:, None] * K + cols[None, :], tile, h, peer, mask)
-    for i in range(pkl.world_size(h)):
-        pkl.signal(flags_ptr + chunk, hf, (me + i) % pkl.world_size(h))
+    for i in range(world):
+        pkl.signal(flags_ptr + chunk, hf, (me + i) % world)
 
 
 @triton.jit(do_not_specialize=["num_comm"])
-def _ag_matmul_kernel(a_ptr, a_full_ptr, b_ptr, c_ptr, flags_ptr, hf, h, m_local, M, N, K, num_tasks,
-                      num_comm_tasks, num_comm, skip_ptr, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, BK_COPY: tl.constexpr):
-    G = (a_ptr, a_full_ptr, b_ptr, c_ptr, flags_ptr, hf, h, m_local, M, N, K)
-    if agreed(skip_ptr, hf):
-        lcsc(G, (BM, BN, BK, GROUP_M, STAGES, BK_COPY), num_tasks, num_comm_tasks, num_comm, None, _consumer,
-             _storer, _communicator)
+def _ag_matmul_kernel(a_desc, a_ptr, a_full_ptr, a_full_desc, b_desc, c_desc, flags_ptr, hf, h, m_local, M, N, K,
+                      num_tasks, num_comm_tasks, num_comm, skip_ptr, rank, world, BM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+                      BK_COPY: tl.constexpr):
+    # G[0]: the local shard's descriptor, G[11] the gathered A's, G[12] and G[1] their pointers (communicators)
+    go = agreed(skip_ptr)
+    G = (a_desc, a_full_ptr, b_desc, c_desc, flags_ptr, hf, h, m_local, M, N, K, a_full_desc, a_ptr, rank, world, go)
+    lcsc(G, (BM, BN, BK, GROUP_M, STAGES, BK_COPY), num_tasks, num_comm_tasks, num_comm, None, _consumer, _storer,
+         _communicator, go)
 
 
 def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
@@ -132,11 +129,12 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:  # only after the agreement: a rank that left before it would leave its peers waiting
         return c
-    launch(_ag_matmul_kernel, grid(tiles, num_comm),
-        a, a_full, b, c, flags, flags_handle, a_full_handle, m_local, M, N, K, tiles,
-        num_comm_tasks, num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-        GROUP_M=cfg.group_m, STAGES=cfg.num_stages, BK_COPY=min(64, next_power_of_2(K)), num_warps=cfg.num_warps,
-        key=sig)
+    a_block = [cfg.block_m, cfg.block_k]
+    launch(_ag_matmul_kernel, grid(tiles, num_comm), descriptor(a, a_block), a, a_full, descriptor(a_full, a_block),
+           descriptor(b, [cfg.block_k, cfg.block_n]), descriptor(c, [cfg.block_m, cfg.block_n // 2]), flags,
+           flags_handle, a_full_handle, m_local, M, N, K, tiles, num_comm_tasks, num_comm=num_comm, skip_ptr=skip,
+           rank=ctx.local_rank, world=world, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+           STAGES=cfg.num_stages, BK_COPY=min(64, next_power_of_2(K)), num_warps=cfg.num_warps, key=sig)
     if world > 1:
         flags.zero_()  # a memset: cheaper to issue than a kernel of ours
     return c

@@ -8,6 +8,12 @@ the tiles (descriptors clip the edges), but rows must be 16-byte aligned for TMA
 
 Reference point (digest §15.3, one H200): a plain persistent Triton GEMM with descriptors, 128x256x64 tiles,
 3 stages, 8 warps reached 701 TFLOP/s at 8192^3 bf16 against cuBLAS's 680; that is the default here.
+
+The descriptors of local tensors are made on the host (`descriptor`) and passed to the kernels as parameters,
+as cuBLAS passes its TMA maps. Made in the kernel (`tl.make_tensor_descriptor`), every program writes its maps to
+global memory and fences them before its first load: on an H200 that cost about 2 µs per launch (2048^3: 26.1
+against 23.8 µs per call; scripts/diagnose_gemm.py), a tenth of a small GEMM. Descriptors over peers' memory
+are still made in the kernel, where the peer is known.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..language.signals import arrive
 from ..runtime.context import context
@@ -147,38 +154,31 @@ def store_tile(desc, tile, row, col, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def gemm_tile(a_ptr, b_ptr, M, N, K, tile, C):
+def gemm_tile(a_desc, b_desc, M, N, K, tile, C):
     """(fp32 tile, pid_m, pid_n) for output tile `tile`, in grouped order, of a @ b; the fused ops' consumer.
     C = (BM, BN, BK, GROUP_M, STAGES, ...), read in place so its entries stay constexprs."""
     pid_m, pid_n = tile_coords(tile, M, N, C[0], C[1], C[3])
-    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [C[0], C[2]])
-    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [C[2], C[1]])
     return mainloop(a_desc, b_desc, pid_m * C[0], pid_n * C[1], K, C[0], C[1], C[2], C[4]), pid_m, pid_n
 
 
 @triton.jit
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    GROUP_M: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr):
-    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BM, BK])
-    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BK, BN])
-    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [BM, BN // 2])
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, STAGES)
-        store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), pid_m * BM, pid_n * BN, BM, BN)
+        store_tile(c_desc, acc.to(c_desc.dtype), pid_m * BM, pid_n * BN, BM, BN)
 
 
 @triton.jit
-def _matmul_split_k_kernel(a_ptr, b_ptr, c_ptr, part_ptr, arrived_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, SPLITS: tl.constexpr):
+def _matmul_split_k_kernel(a_desc, b_desc, c_desc, part_desc, arrived_ptr, M, N, K, BM: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+                           SPLITS: tl.constexpr):
     """Split-K for GEMMs with few output tiles: SPLITS programs per tile, each a slice of the k-loop. Each stores
-    its fp32 partial and counts itself in the tile's arrival counter; the last to arrive adds the others'
-    partials, writes the tile and re-arms the counter. Nobody waits, so the grid may exceed the SMs."""
-    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BM, BK])
-    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BK, BN])
-    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [BM, BN // 2])
+    its fp32 partial (`part_desc`: SPLITS * tiles row blocks of (BM, BN)) and counts itself in the tile's arrival
+    counter; the last to arrive adds the others' partials, writes the tile and re-arms the counter. Nobody
+    waits, so the grid may exceed the SMs."""
     tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-    part_desc = tl.make_tensor_descriptor(part_ptr, [SPLITS * tiles * BM, BN], [BN, 1], [BM, BN // 2])
     tile = tl.program_id(0) % tiles
     split = tl.program_id(0) // tiles
     pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
@@ -195,8 +195,20 @@ def _matmul_split_k_kernel(a_ptr, b_ptr, c_ptr, part_ptr, arrived_ptr, M, N, K, 
                 left += part_desc.load([row, 0])
                 right += part_desc.load([row, BN // 2])
         tl.store(arrived_ptr + tile, 0)  # every split of this tile has counted: the next call starts from zero
-        c_desc.store([pid_m * BM, pid_n * BN], left.to(c_ptr.dtype.element_ty))
-        c_desc.store([pid_m * BM, pid_n * BN + BN // 2], right.to(c_ptr.dtype.element_ty))
+        c_desc.store([pid_m * BM, pid_n * BN], left.to(c_desc.dtype))
+        c_desc.store([pid_m * BM, pid_n * BN + BN // 2], right.to(c_desc.dtype))
+
+
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over the contiguous 2-D tensor `t` in blocks of `block`, made on the host (see the
+    module's docstring). An empty `t` gets a descriptor over a small placeholder: TMA refuses empty tensors, and
+    the kernels never read a tensor that has no rows or columns."""
+    if t.numel() == 0:
+        key = ("descriptor_placeholder", t.dtype)
+        if key not in context().cache:  # one row of 16 bytes: the smallest tensor TMA takes
+            context().cache[key] = torch.zeros(1, 16 // t.element_size(), dtype=t.dtype, device=t.device)
+        t = context().cache[key]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
 def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) -> None:
@@ -239,23 +251,29 @@ def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None)
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    if c.numel() == 0 or K == 0:
+        return c.zero_()
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    if cfg.pingpong and tiles and K and matmul_pingpong.usable(a.device, a.dtype):
+    if cfg.pingpong and matmul_pingpong.usable(a.device, a.dtype):
         # 4 warps per consumer, and the register budget the three roles share (168 x 384 threads = the SM's 64K)
-        launch(matmul_pingpong._pingpong_kernel, (min(num_sms(), tiles),), a, b, c, M, N, K, BM=cfg.block_m,
-               BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-               **matmul_pingpong.layouts(a.dtype, cfg.block_m, cfg.block_n, cfg.block_k), num_warps=4, maxnreg=168,
-               key=(M, N, K, a.dtype, cfg))
+        launch(matmul_pingpong._pingpong_kernel, (min(num_sms(), tiles),),
+               *matmul_pingpong.descriptors(a, b, c, cfg.block_m, cfg.block_n, cfg.block_k), M, N, K,
+               GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=4, maxnreg=168, key=(M, N, K, a.dtype, cfg))
         return c
-    if cfg.splits > 1 and tiles:
+    a_desc = descriptor(a, [cfg.block_m, cfg.block_k])
+    b_desc = descriptor(b, [cfg.block_k, cfg.block_n])
+    c_desc = descriptor(c, [cfg.block_m, cfg.block_n // 2])
+    if cfg.splits > 1:
         part, arrived = _split_k_scratch(cfg, tiles)
-        launch(_matmul_split_k_kernel, (tiles * cfg.splits,), a, b, c, part, arrived, M, N, K, BM=cfg.block_m,
-               BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, SPLITS=cfg.splits,
-               num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
+        part_desc = descriptor(part[:cfg.splits * tiles * cfg.block_m * cfg.block_n].view(-1, cfg.block_n),
+                               [cfg.block_m, cfg.block_n // 2])
+        launch(_matmul_split_k_kernel, (tiles * cfg.splits,), a_desc, b_desc, c_desc, part_desc, arrived, M, N, K,
+               BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+               SPLITS=cfg.splits, num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
         return c
-    launch(_matmul_kernel, (max(1, min(num_sms(), tiles)),),
-        a, b, c, M, N, K, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, FLATTEN=cfg.flatten, num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
+    launch(_matmul_kernel, (min(num_sms(), tiles),), a_desc, b_desc, c_desc, M, N, K, BM=cfg.block_m,
+           BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, FLATTEN=cfg.flatten,
+           num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
     return c
 
 

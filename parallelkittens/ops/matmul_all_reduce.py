@@ -33,7 +33,7 @@ from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
 from ._collective import agree, agreed, agreement, signature, workspace
 from ._tuning import comm_programs
-from .matmul import MatmulConfig, column_halves, gemm_tile, prepare, tile_coords
+from .matmul import MatmulConfig, column_halves, descriptor, gemm_tile, prepare, tile_coords
 from .matmul_reduce_scatter import push_share, take_shares
 
 
@@ -55,14 +55,14 @@ def _owner(tile, world, tiles):
 
 
 @triton.jit
-def _swept_tile(i, hc, tiles):
-    """The i-th tile of this rank's sweep: from the next rank's range round to the end of its own."""
-    return (i + _first_tile(pkl.rank(hc) + 1, pkl.world_size(hc), tiles)) % tiles
+def _swept_tile(i, rank, world, tiles):
+    """The i-th tile of `rank`'s sweep: from the next rank's range round to the end of its own."""
+    return (i + _first_tile(rank + 1, world, tiles)) % tiles
 
 
 @triton.jit
 def _consumer(G, C, task, loader):
-    tile = _swept_tile(task, G[7], G[12])
+    tile = _swept_tile(task, G[15], G[16], G[12])
     acc, pid_m, pid_n = gemm_tile(G[0], G[1], G[8], G[9], G[10], tile, C)
     return acc, tile, pid_m * C[0], pid_n * C[1]
 
@@ -70,19 +70,17 @@ def _consumer(G, C, task, loader):
 @triton.jit
 def _storer(G, C, task, result):
     acc, tile, row, col = result
-    buf_ptr, hb, res_ptr, out_ptr, ctr_ptr, hc, M, N, tiles = G[2], G[3], G[4], G[6], G[11], G[7], G[8], G[9], G[12]
-    dtype = out_ptr.dtype.element_ty
+    buf_ptr, hb, out, ctr_ptr, hc, M, N, tiles, res = G[2], G[3], G[6], G[11], G[7], G[8], G[9], G[12], G[14]
+    dtype = out.dtype
     half: tl.constexpr = C[1] // 2
-    world = pkl.world_size(hc)
+    world = G[16]
     owner = _owner(tile, world, tiles)
     left, right = column_halves(acc, C[0], C[1])
-    if owner != pkl.rank(hc):
+    if owner != G[15]:
         push_share(left, right, buf_ptr, hb, owner, ctr_ptr + tile, hc, M, N, row, col, C[0], half)
     else:
-        left, right = take_shares(left, right, buf_ptr, ctr_ptr + tile, hc, M, N, row, col, C[0], half)
-        out = tl.make_tensor_descriptor(out_ptr, [M, N], [N, 1], [C[0], half])
+        left, right = take_shares(left, right, G[13], ctr_ptr + tile, hc, world, row, col, C[0], half)
         if world > 1:  # the sum for the peers to read
-            res = tl.make_tensor_descriptor(res_ptr, [M, N], [N, 1], [C[0], half])
             res.store([row, col], left.to(dtype))
             res.store([row, col + half], right.to(dtype))
             pkl.signal_all(ctr_ptr + tiles + tile, hc)  # ready, on every rank
@@ -95,28 +93,27 @@ def _storer(G, C, task, result):
 @triton.jit
 def _communicator(G, C, task):
     """Read the task-th tile this rank does not own from its owner, once it is ready, into the output."""
-    res_ptr, hr, out_ptr, ctr_ptr, hc, M, N, tiles = G[4], G[5], G[6], G[11], G[7], G[8], G[9], G[12]
-    world = pkl.world_size(hc)
-    tile = _swept_tile(task, hc, tiles)  # the others' ranges, in the order their owners finish them
+    res_ptr, hr, out, ctr_ptr, hc, M, N, tiles = G[4], G[5], G[6], G[11], G[7], G[8], G[9], G[12]
+    world = G[16]
+    tile = _swept_tile(task, G[15], world, tiles)  # the others' ranges, in the order their owners finish them
     ready = ctr_ptr + tiles + tile
     pkl.wait(ready, 1, hc)
     tl.store(ready, 0)
     pid_m, pid_n = tile_coords(tile, M, N, C[0], C[1], C[3])
     half: tl.constexpr = C[1] // 2
     src = pkl.peer_descriptor(res_ptr, hr, _owner(tile, world, tiles), [M, N], [N, 1], [C[0], half])
-    out = tl.make_tensor_descriptor(out_ptr, [M, N], [N, 1], [C[0], half])
     for j in range(2):
         out.store([pid_m * C[0], pid_n * C[1] + j * half], src.load([pid_m * C[0], pid_n * C[1] + j * half]))
 
 
 @triton.jit(do_not_specialize=["num_comm"])
-def _mm_ar_kernel(a_ptr, b_ptr, buf_ptr, hb, res_ptr, hr, out_ptr, hc, M, N, K, ctr_ptr, tiles, num_comm_tasks,
-                  num_comm, skip_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  GROUP_M: tl.constexpr, STAGES: tl.constexpr):
-    G = (a_ptr, b_ptr, buf_ptr, hb, res_ptr, hr, out_ptr, hc, M, N, K, ctr_ptr, tiles)
-    if agreed(skip_ptr, hc):
-        lcsc(G, (BM, BN, BK, GROUP_M, STAGES), tiles, num_comm_tasks, num_comm, None, _consumer, _storer,
-             _communicator)
+def _mm_ar_kernel(a_desc, b_desc, buf_ptr, hb, buf_desc, res_ptr, hr, res_desc, out_desc, hc, M, N, K, ctr_ptr,
+                  tiles, num_comm_tasks, num_comm, skip_ptr, rank, world, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+    G = (a_desc, b_desc, buf_ptr, hb, res_ptr, hr, out_desc, hc, M, N, K, ctr_ptr, tiles, buf_desc, res_desc, rank,
+         world)
+    lcsc(G, (BM, BN, BK, GROUP_M, STAGES), tiles, num_comm_tasks, num_comm, None, _consumer, _storer, _communicator,
+         agreed(skip_ptr))
 
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
@@ -148,8 +145,11 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     not_mine = tiles - ((ctx.local_rank + 1) * tiles // world - ctx.local_rank * tiles // world)
     if M == 0 or N == 0:  # only after the agreement: a rank that left before it would leave its peers waiting
         return out
-    launch(_mm_ar_kernel, grid(tiles, num_comm), a, b, buf, buf_handle, res, res_handle, out, ctr_handle, M, N, K,
-           ctr, tiles, not_mine, num_comm=num_comm, skip_ptr=skip, BM=cfg.block_m, BN=cfg.block_n,
+    half = [cfg.block_m, cfg.block_n // 2]
+    launch(_mm_ar_kernel, grid(tiles, num_comm), descriptor(a, [cfg.block_m, cfg.block_k]),
+           descriptor(b, [cfg.block_k, cfg.block_n]), buf, buf_handle, descriptor(buf, half), res, res_handle,
+           descriptor(res, half), descriptor(out, half), ctr_handle, M, N, K, ctr, tiles, not_mine,
+           num_comm=num_comm, skip_ptr=skip, rank=ctx.local_rank, world=world, BM=cfg.block_m, BN=cfg.block_n,
            BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps, key=sig)
     return out
 

@@ -33,6 +33,7 @@ try:  # Triton >= 3.5 ships Gluon with Hopper's warp-group MMA; without it the `
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as HostDescriptor
 
     AVAILABLE = hasattr(gl, "warp_specialize") and hasattr(tma, "make_tensor_descriptor")
     # Triton 3.6 names the TMA copies async_copy_global_to_shared / _shared_to_global; 3.7+ async_load / _store
@@ -116,17 +117,15 @@ if AVAILABLE:
         _consumer(a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem, M, N, K, 1, GROUP_M)
 
     @gluon.jit
-    def _pingpong_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, A_LAYOUT: gl.constexpr,
-                         B_LAYOUT: gl.constexpr, C_LAYOUT: gl.constexpr):
-        dtype: gl.constexpr = a_ptr.dtype.element_ty
-        a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BM, BK], A_LAYOUT)
-        b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BK, BN], B_LAYOUT)
-        c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [BM, BN], C_LAYOUT)
-        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], A_LAYOUT)
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], B_LAYOUT)
-        c_smem0 = gl.allocate_shared_memory(dtype, [BM, BN], C_LAYOUT)
-        c_smem1 = gl.allocate_shared_memory(dtype, [BM, BN], C_LAYOUT)
+    def _pingpong_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        dtype: gl.constexpr = a_desc.dtype
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[1]
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], b_desc.layout)
+        c_smem0 = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)
+        c_smem1 = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -143,12 +142,21 @@ if AVAILABLE:
 
 
 @functools.cache
-def layouts(dtype: torch.dtype, bm: int, bn: int, bk: int) -> dict:
-    """The shared-memory layouts (swizzles) of the A, B and C tiles, as the kernel's constexprs."""
+def layouts(dtype: torch.dtype, bm: int, bn: int, bk: int) -> tuple:
+    """The shared-memory layouts (swizzles) of the A, B and C tiles."""
     gl_dtype = getattr(gl, GL_DTYPES[dtype])
-    return {"A_LAYOUT": gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype),
-            "B_LAYOUT": gl.NVMMASharedLayout.get_default_for([bk, bn], gl_dtype),
-            "C_LAYOUT": gl.NVMMASharedLayout.get_default_for([bm, bn], gl_dtype)}
+    return (gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([bk, bn], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([bm, bn], gl_dtype))
+
+
+def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bm: int, bn: int, bk: int) -> tuple:
+    """The kernel's TMA descriptors over a (M, K), b (K, N) and c (M, N), made on the host (`ops.matmul`'s
+    docstring says why); the operands are contiguous, 16-byte aligned and not empty."""
+    a_layout, b_layout, c_layout = layouts(a.dtype, bm, bn, bk)
+    return (HostDescriptor(a, list(a.shape), list(a.stride()), [bm, bk], a_layout),
+            HostDescriptor(b, list(b.shape), list(b.stride()), [bk, bn], b_layout),
+            HostDescriptor(c, list(c.shape), list(c.stride()), [bm, bn], c_layout))
 
 
 @functools.cache  # asked on every call of the GEMM: the driver query costs microseconds

@@ -31,7 +31,7 @@ from ..runtime.launch import launch
 from ..runtime.sizes import cdiv
 from ..template import grid, lcsc
 from ._collective import agree, agreed, agreement, signature, workspace
-from .matmul import MatmulConfig, column_halves, mainloop, prepare, tile_coords
+from .matmul import MatmulConfig, column_halves, descriptor, mainloop, prepare, tile_coords
 
 
 def reference_matmul_reduce_scatter(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor], rank: int
@@ -54,30 +54,27 @@ def push_share(left, right, buf_ptr, hb, owner, counter, hc, rows, N, row, col, 
 
 
 @triton.jit
-def take_shares(left, right, buf_ptr, counter, hc, rows, N, row, col, BM: tl.constexpr, HALF: tl.constexpr):
-    """The owner's side: wait for the W - 1 peers' shares of the tile, add them to its own fp32 halves, and leave
-    the buffer tile and the counter at zero for the next call. Returns the summed halves."""
-    world = pkl.world_size(hc)
+def take_shares(left, right, buf, counter, hc, world, row, col, BM: tl.constexpr, HALF: tl.constexpr):
+    """The owner's side: wait for the `world` - 1 peers' shares of the tile, add them to its own fp32 halves, and
+    leave the buffer tile (`buf`: the local buffer's descriptor, (BM, HALF) blocks) and the counter at zero for
+    the next call. Returns the summed halves."""
     if world > 1:
         pkl.wait(counter, world - 1, hc)
         tl.store(counter, 0)
-        buf = tl.make_tensor_descriptor(buf_ptr, [rows, N], [N, 1], [BM, HALF])
         left += buf.load([row, col]).to(tl.float32)
         right += buf.load([row, col + HALF]).to(tl.float32)
-        buf.store([row, col], tl.zeros([BM, HALF], buf_ptr.dtype.element_ty))
-        buf.store([row, col + HALF], tl.zeros([BM, HALF], buf_ptr.dtype.element_ty))
+        buf.store([row, col], tl.zeros([BM, HALF], buf.dtype))
+        buf.store([row, col + HALF], tl.zeros([BM, HALF], buf.dtype))
     return left, right
 
 
 @triton.jit
 def _consumer(G, C, task, loader):
-    a_ptr, b_ptr, hc, M, N, K, m_block, per_owner = G[0], G[1], G[5], G[7], G[8], G[9], G[10], G[11]
-    owner = (pkl.rank(hc) + 1 + task // per_owner) % pkl.world_size(hc)  # the next rank's block first, own last
+    a_desc, b_desc, N, K, m_block, per_owner = G[0], G[1], G[8], G[9], G[10], G[11]
+    owner = (G[13] + 1 + task // per_owner) % G[14]  # the next rank's block first, its own last
     pid_m, pid_n = tile_coords(task % per_owner, m_block, N, C[0], C[1], C[3])
-    # One descriptor over all of A: a tile past the end of the owner's block reads the next block's rows,
+    # A's descriptor covers all of A: a tile past the end of the owner's block reads the next block's rows,
     # whose results the clipped stores below drop.
-    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [C[0], C[2]])
-    b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [C[2], C[1]])
     acc = mainloop(a_desc, b_desc, owner * m_block + pid_m * C[0], pid_n * C[1], K, C[0], C[1], C[2], C[4])
     return acc, owner, pid_m * C[0], pid_n * C[1]
 
@@ -85,28 +82,25 @@ def _consumer(G, C, task, loader):
 @triton.jit
 def _storer(G, C, task, result):
     acc, owner, row, col = result
-    buf_ptr, hb, ctr_ptr, hc, out_ptr, N, m_block, per_owner = G[2], G[3], G[4], G[5], G[6], G[8], G[10], G[11]
-    dtype = out_ptr.dtype.element_ty
+    buf_ptr, hb, ctr_ptr, hc, out, N, m_block, per_owner = G[2], G[3], G[4], G[5], G[6], G[8], G[10], G[11]
     counter = ctr_ptr + task % per_owner
     left, right = column_halves(acc, C[0], C[1])
     half: tl.constexpr = C[1] // 2
-    if owner != pkl.rank(hc):
+    if owner != G[13]:
         push_share(left, right, buf_ptr, hb, owner, counter, hc, m_block, N, row, col, C[0], half)
     else:
-        left, right = take_shares(left, right, buf_ptr, counter, hc, m_block, N, row, col, C[0], half)
-        out = tl.make_tensor_descriptor(out_ptr, [m_block, N], [N, 1], [C[0], half])
-        out.store([row, col], left.to(dtype))
-        out.store([row, col + half], right.to(dtype))
+        left, right = take_shares(left, right, G[12], counter, hc, G[14], row, col, C[0], half)
+        out.store([row, col], left.to(out.dtype))
+        out.store([row, col + half], right.to(out.dtype))
 
 
 @triton.jit
-def _mm_rs_kernel(a_ptr, b_ptr, buf_ptr, hb, ctr_ptr, hc, out_ptr, M, N, K, m_block, per_owner, skip_ptr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                  STAGES: tl.constexpr):
-    G = (a_ptr, b_ptr, buf_ptr, hb, ctr_ptr, hc, out_ptr, M, N, K, m_block, per_owner)
-    if agreed(skip_ptr, hc):
-        lcsc(G, (BM, BN, BK, GROUP_M, STAGES), pkl.world_size(hc) * per_owner, 0, 0, None, _consumer, _storer,
-             None)
+def _mm_rs_kernel(a_desc, b_desc, buf_ptr, hb, buf_desc, ctr_ptr, hc, out_desc, M, N, K, m_block, per_owner,
+                  skip_ptr, rank, world, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+    G = (a_desc, b_desc, buf_ptr, hb, ctr_ptr, hc, out_desc, M, N, K, m_block, per_owner, buf_desc, rank, world)
+    lcsc(G, (BM, BN, BK, GROUP_M, STAGES), world * per_owner, 0, 0, None, _consumer, _storer, None,
+         agreed(skip_ptr))
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None) -> torch.Tensor:
@@ -135,9 +129,12 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     ws = workspace(op)
     buf, buf_handle = ws.view((m_block, N), a.dtype, slot=0, zero=True)  # the peers' shares; owners re-zero it
     ctr, ctr_handle = ws.view((per_owner,), torch.int32, slot=1, zero=True)  # shares in, per tile; owners reset
-    launch(_mm_rs_kernel, grid(world * per_owner, 0), a, b, buf, buf_handle, ctr, ctr_handle, out, M, N, K,
-           m_block, per_owner, skip, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-           STAGES=cfg.num_stages, num_warps=cfg.num_warps, key=sig)
+    half = [cfg.block_m, cfg.block_n // 2]
+    launch(_mm_rs_kernel, grid(world * per_owner, 0), descriptor(a, [cfg.block_m, cfg.block_k]),
+           descriptor(b, [cfg.block_k, cfg.block_n]), buf, buf_handle, descriptor(buf, half), ctr, ctr_handle,
+           descriptor(out, half), M, N, K, m_block, per_owner, skip, context().local_rank, world, BM=cfg.block_m,
+           BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+           key=sig)
     return out
 
 

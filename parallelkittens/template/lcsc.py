@@ -17,6 +17,11 @@ Roles are `@triton.jit` functions passed by name; `loader` and `communicator` ma
 `num_comm_programs` is a run-time value, so trying several counts (tuning) compiles the kernel once; list its
 argument in the kernel's ``do_not_specialize``, or a count of 1 compiles a second variant.
 
+`go`, when given, is the call's verdict from a check made before the kernel (the fused ops' agreement): where
+it is false no storer and no communicator runs, so nothing reaches a peer and nobody waits for one. Compute
+workers read it only after their first consumer, so its load's latency hides behind that tile's k-loop; a
+consumer that waits for peers (a loader) must consult it itself.
+
 Every program of the grid must be resident at once, since compute workers and communicators wait on each
 other: launch with `grid(...)`, which never asks for more programs than the device has SMs.
 """
@@ -28,7 +33,7 @@ from ..runtime.device import num_sms
 
 
 @triton.jit
-def lcsc(G, C, num_tasks, num_comm_tasks, num_comm_programs, loader, consumer, storer, communicator):
+def lcsc(G, C, num_tasks, num_comm_tasks, num_comm_programs, loader, consumer, storer, communicator, go=None):
     """Run the op's roles over `num_tasks` compute tasks and `num_comm_tasks` communication tasks."""
     pid = tl.program_id(0)
     num_compute = tl.num_programs(0) - num_comm_programs
@@ -38,11 +43,22 @@ def lcsc(G, C, num_tasks, num_comm_tasks, num_comm_programs, loader, consumer, s
     if pid >= num_comm_programs:
         for task in range(pid - num_comm_programs, num_tasks, num_compute):
             acc = consumer(G, C, task, loader)
-            storer(G, C, task, acc)
+            if _proceed(go):
+                storer(G, C, task, acc)
     else:
         if communicator is not None:
-            for task in range(pid, num_comm_tasks, num_comm_programs):
-                communicator(G, C, task)
+            if _proceed(go):
+                for task in range(pid, num_comm_tasks, num_comm_programs):
+                    communicator(G, C, task)
+
+
+@triton.jit
+def _proceed(go):
+    """Whether to go on: `go`, or always when there is none."""
+    if go is None:
+        return True
+    else:
+        return go
 
 
 def grid(num_tasks: int, num_comm_programs: int, max_programs: int | None = None) -> tuple[int]:

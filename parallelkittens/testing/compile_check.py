@@ -37,11 +37,7 @@ def _kernels():
 
     from ..ops import matmul_pingpong
     from ..ops._collective import _agree_kernel, _pull_kernel
-    from ..ops.all_gather_matmul import _ag_matmul_kernel
     from ..ops.barrier import _barrier_kernel
-    from ..ops.matmul import _matmul_kernel, _matmul_split_k_kernel
-    from ..ops.matmul_all_reduce import _mm_ar_kernel
-    from ..ops.matmul_reduce_scatter import _mm_rs_kernel
     from ..template import example
     from . import primitive_checks as pc
 
@@ -76,48 +72,66 @@ def _kernels():
         "collective_pull": (_pull_kernel, PULL, {"REDUCE": True, "BR": 4, "BC": 1024, "LIMIT": True}, ALIGNED),
         "collective_pull_copy": (_pull_kernel, PULL, {"REDUCE": False, "BR": 1, "BC": 4096, "LIMIT": False},
                                  ALIGNED),
-        "all_gather_matmul": (_ag_matmul_kernel, {
-            "a_ptr": "*bf16", "a_full_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": "*i32",
-            "hf": i64, "h": i64, **{k: "i32" for k in ("m_local", "M", "N", "K", "num_tasks", "num_comm_tasks")},
-            **{k: "constexpr" for k in GEMM}, "num_comm": "i32", "skip_ptr": "*i32", "BK_COPY": "constexpr"},
-            {**GEMM, "BK_COPY": 64}),
-        "matmul_reduce_scatter": (_mm_rs_kernel, {
-            "a_ptr": "*bf16", "b_ptr": "*bf16", "buf_ptr": "*bf16", "hb": i64, "ctr_ptr": "*i32", "hc": i64,
-            "out_ptr": "*bf16", **{k: "i32" for k in ("M", "N", "K", "m_block", "per_owner")}, "skip_ptr": "*i32",
-            **{k: "constexpr" for k in GEMM}}, GEMM),
-        **{name: (_matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32",
-                                   "K": "i32", **{k: "constexpr" for k in GEMM}, "FLATTEN": "constexpr"},
-                  {**GEMM, "FLATTEN": flatten}) for name, flatten in (("matmul", False), ("matmul_flat", True))},
-        "matmul_all_reduce": (_mm_ar_kernel, {
-            "a_ptr": "*bf16", "b_ptr": "*bf16", "buf_ptr": "*bf16", "hb": i64, "res_ptr": "*bf16", "hr": i64,
-            "out_ptr": "*bf16", "hc": i64, **{k: "i32" for k in ("M", "N", "K")}, "ctr_ptr": "*i32",
-            **{k: "i32" for k in ("tiles", "num_comm_tasks", "num_comm")}, "skip_ptr": "*i32",
-            **{k: "constexpr" for k in GEMM}}, GEMM),
         "lcsc_example": (example._scaled_all_gather_kernel,
                          {"x_ptr": "*bf16", "out_ptr": "*bf16", "h": i64, "counters_ptr": "*i32", "hc": i64,
                           "alpha": "fp32", "M": "i32", "N": "i32", "num_tasks": "i32",
                           "num_comm": "i32", "BM": "constexpr", "BN": "constexpr"},
                          {"BM": 32, "BN": 64}),
     }
-    narrow = {**GEMM, "BN": 128, "STAGES": 5, "FLATTEN": True}  # matmul_config's choice when tiles are few
-    kernels["matmul_narrow"] = (_matmul_kernel, kernels["matmul"][1], narrow)
-    split_k = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "part_ptr": "*fp32", "arrived_ptr": "*i32",
-               "M": "i32", "N": "i32", "K": "i32", **{k: "constexpr" for k in GEMM}, "SPLITS": "constexpr"}
-    kernels["matmul_split_k"] = (_matmul_split_k_kernel, split_k, {**GEMM, "BN": 128, "STAGES": 4, "SPLITS": 4})
+    kernels.update(_gemm_kernels("bf16", GEMM))
+    kernels.update({name + "_fp32": kernel for name, kernel in _gemm_kernels("fp32", {**GEMM, "BK": 32}).items()
+                    if name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul", "matmul_all_reduce")})
+    narrow = {**GEMM, "BN": 128, "STAGES": 5}  # matmul_config's choice when tiles are few
+    kernels["matmul_narrow"] = _gemm_kernels("bf16", narrow)["matmul"]
+    kernels["matmul_narrow_fp32"] = _gemm_kernels("fp32", {**narrow, "BK": 32, "STAGES": 4})["matmul"]
+    kernels["matmul_split_k"] = _gemm_kernels("bf16", {**GEMM, "BN": 128, "STAGES": 4})["matmul_split_k"]
     if matmul_pingpong.AVAILABLE:
-        pingpong = {**{k: v for k, v in kernels["matmul"][1].items() if k != "FLATTEN"}, "A_LAYOUT": "constexpr",
-                    "B_LAYOUT": "constexpr", "C_LAYOUT": "constexpr"}
-        kernels["matmul_pingpong"] = (matmul_pingpong._pingpong_kernel, pingpong,
-                                      {**GEMM, "BN": 128, "STAGES": 5,
-                                       **matmul_pingpong.layouts(torch.bfloat16, 128, 128, 64)})
-    kernels["matmul_narrow_fp32"] = (_matmul_kernel, {k: "*fp32" if v == "*bf16" else v
-                                                      for k, v in kernels["matmul"][1].items()},
-                                     {**narrow, "BK": 32, "STAGES": 4})
-    for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul", "matmul_all_reduce"):  # fp32 (tf32) tiles
-        fn, signature, constexprs = kernels[name]
-        kernels[name + "_fp32"] = (fn, {k: "*fp32" if v == "*bf16" else v for k, v in signature.items()},
-                                   {**constexprs, "BK": 32})
+        a_layout, b_layout, c_layout = matmul_pingpong.layouts(torch.bfloat16, 128, 128, 64)
+        pingpong = {"a_desc": _desc("bf16", 128, 64, a_layout), "b_desc": _desc("bf16", 64, 128, b_layout),
+                    "c_desc": _desc("bf16", 128, 128, c_layout), "M": "i32", "N": "i32", "K": "i32",
+                    "GROUP_M": "constexpr", "STAGES": "constexpr"}
+        kernels["matmul_pingpong"] = (matmul_pingpong._pingpong_kernel, pingpong, {"GROUP_M": 8, "STAGES": 5})
     return kernels
+
+
+def _desc(dtype: str, rows: int, cols: int, layout=None) -> str:
+    """The signature of a host tensor descriptor argument with (rows, cols) blocks (Gluon's carry a layout)."""
+    return f"tensordesc<{dtype}[{rows}, {cols}]" + (f",{layout!r}>" if layout is not None else ">")
+
+
+def _gemm_kernels(dtype: str, gemm: dict) -> dict:
+    """The GEMM kernels and the fused ops' kernels with `dtype` operands and `gemm`'s tiles."""
+    from ..ops.all_gather_matmul import _ag_matmul_kernel
+    from ..ops.matmul import _matmul_kernel, _matmul_split_k_kernel
+    from ..ops.matmul_all_reduce import _mm_ar_kernel
+    from ..ops.matmul_reduce_scatter import _mm_rs_kernel
+
+    bm, bn, bk = gemm["BM"], gemm["BN"], gemm["BK"]
+    a, b, half, ptr = _desc(dtype, bm, bk), _desc(dtype, bk, bn), _desc(dtype, bm, bn // 2), "*" + dtype
+    consts = {k: "constexpr" for k in gemm}
+    ints = lambda *names: {k: "i32" for k in names}
+    return {
+        "matmul": (_matmul_kernel, {"a_desc": a, "b_desc": b, "c_desc": half, **ints("M", "N", "K"), **consts,
+                                    "FLATTEN": "constexpr"}, {**gemm, "FLATTEN": True}),
+        "matmul_split_k": (_matmul_split_k_kernel, {"a_desc": a, "b_desc": b, "c_desc": half,
+                                                    "part_desc": _desc("fp32", bm, bn // 2), "arrived_ptr": "*i32",
+                                                    **ints("M", "N", "K"), **consts, "SPLITS": "constexpr"},
+                           {**gemm, "SPLITS": 4}),
+        "all_gather_matmul": (_ag_matmul_kernel, {
+            "a_desc": a, "a_ptr": ptr, "a_full_ptr": ptr, "a_full_desc": a, "b_desc": b, "c_desc": half,
+            "flags_ptr": "*i32", "hf": "*i64", "h": "*i64", **ints("m_local", "M", "N", "K", "num_tasks",
+                                                                   "num_comm_tasks", "num_comm"),
+            "skip_ptr": "*i32", **ints("rank", "world"), **consts, "BK_COPY": "constexpr"}, {**gemm, "BK_COPY": 64}),
+        "matmul_reduce_scatter": (_mm_rs_kernel, {
+            "a_desc": a, "b_desc": b, "buf_ptr": ptr, "hb": "*i64", "buf_desc": half, "ctr_ptr": "*i32",
+            "hc": "*i64", "out_desc": half, **ints("M", "N", "K", "m_block", "per_owner"), "skip_ptr": "*i32",
+            **ints("rank", "world"), **consts}, gemm),
+        "matmul_all_reduce": (_mm_ar_kernel, {
+            "a_desc": a, "b_desc": b, "buf_ptr": ptr, "hb": "*i64", "buf_desc": half, "res_ptr": ptr, "hr": "*i64",
+            "res_desc": half, "out_desc": half, "hc": "*i64", **ints("M", "N", "K"), "ctr_ptr": "*i32",
+            **ints("tiles", "num_comm_tasks", "num_comm"), "skip_ptr": "*i32",
+            **ints("rank", "world"), **consts}, gemm),
+    }
 
 
 def _gluon_source():
