@@ -73,6 +73,7 @@ def _descriptors(dev: torch.device) -> None:
               (8192, 1024, 8192)]
     extra = {(2048, 256, 2048): [MatmulConfig(64, 64, 128, 8, s, 4, True) for s in (3, 5, 6)]
              + [MatmulConfig(64, 64, 256, 8, 3, 4, True), MatmulConfig(64, 64, 64, 8, 8, 4, True),
+                MatmulConfig(64, 64, 64, 8, 12, 4, True), MatmulConfig(64, 64, 64, 4, 10, 4, True),
                 MatmulConfig(64, 64, 128, 4, 4, 4, True), MatmulConfig(64, 64, 128, 16, 4, 4, True)],
              (4096, 512, 4096): [MatmulConfig(128, 128, 64, 8, 6, 4, True), MatmulConfig(128, 128, 128, 8, 3, 4, True),
                                  MatmulConfig(128, 128, 64, 8, 5, 4, pingpong=True)],
