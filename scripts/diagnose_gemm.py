@@ -167,6 +167,52 @@ def _cublas_kernels(dev: torch.device) -> None:
         print(f"   {M}x{N}x{K}: {'; '.join(sorted(names))}")
 
 
+def _host(dev: torch.device) -> None:
+    """Where a small GEMM's host time goes: a profile of back-to-back calls, and the descriptor steps alone."""
+    import cProfile
+    import io
+    import pstats
+
+    from triton.backends.nvidia import driver as nvidia_driver
+
+    from parallelkittens.ops.matmul import descriptor
+
+    print("== 3. host time of pk.matmul at 2048^3 (µs per call)")
+    n = 2048
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    print(f"   pk.matmul {_host_us(lambda: matmul(a, b)):6.1f}   torch {_host_us(lambda: a @ b):6.1f}")
+    start = time.perf_counter()
+    for _ in range(1000):
+        descriptor(a, [128, 64])
+    print(f"   descriptor() {1000 * (time.perf_counter() - start):6.2f}")
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [128, 64], "fp4_padded": False}
+    desc = descriptor(a, [128, 64])
+    try:
+        make = nvidia_driver.make_tensordesc_arg
+        args = (desc, meta) if make.__code__.co_argcount == 2 else (desc, meta, None)
+        start = time.perf_counter()
+        for _ in range(1000):
+            make(*args)
+        print(f"   make_tensordesc_arg {1000 * (time.perf_counter() - start):6.2f}")
+        fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+        start = time.perf_counter()
+        for _ in range(1000):
+            fill(a.data_ptr(), 3, 2, 10, [128, 64], [n, n], [n, 1], 0)
+        print(f"   fill_tma_descriptor {1000 * (time.perf_counter() - start):6.2f}")
+    except Exception as e:
+        print(f"   descriptor steps: {type(e).__name__}: {str(e)[:200]}")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        matmul(a, b)
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(16)
+    print("-- profile, 300 calls of pk.matmul\n" + text.getvalue()[-5000:])
+
+
 def _rank() -> None:
     dev = pk.context().device
     only = os.environ.get("PK_DIAG_ONLY", "")
@@ -176,6 +222,8 @@ def _rank() -> None:
         _descriptors(dev)
     if only in ("", "fused"):
         _fused(dev)
+    if only in ("", "host"):
+        _host(dev)
 
 
 if __name__ == "__main__":
