@@ -116,6 +116,53 @@ def test_pingpong_gemm_matches_float64():
     assert not failures, "; ".join(failures)
 
 
+def _choices() -> list[str]:
+    from parallelkittens.ops.matmul import _gpu_matmul_config, matmul_config
+
+    seed, failures, seen = shared_seed(), [], set()
+    # W = 8 local shapes of the benchmark (each of matmul_config's classes), then ragged ones of the same classes
+    for m, n, k in [(2048, 256, 2048), (2048, 2048, 256), (4096, 512, 4096), (2048, 2048, 2048), (1000, 264, 1032),
+                    (1048, 1032, 200), (4000, 520, 2056)]:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            cfg = matmul_config(m, n, k, dtype)
+            seen.update(shape for shape in ("tiny", "short_k", "few_tiles", "large")
+                        if cfg == _gpu_matmul_config(shape, dtype))
+            for call in range(2):
+                a, b = rank_data((m, k), dtype, seed + call, 0), rank_data((k, n), dtype, seed + call, 1)
+                out, ref = matmul(a, b), reference_matmul(a, b)
+                err, worst = relative_error(out, ref), max_abs_error(out, ref) / float(ref.abs().max())
+                if not (err <= BOUND[dtype] and worst <= 4 * BOUND[dtype]):
+                    failures.append(f"{m}x{n}x{k} {dtype} {cfg} call {call}: relative error {err:.2e}, worst "
+                                    f"element {worst:.2e}")
+    if len(seen) < 4:
+        failures.append(f"only these configurations ran: {sorted(seen)}")
+    return failures
+
+
+@pytest.mark.gpu
+def test_matmul_config_choices_match_float64():
+    """Every configuration `matmul_config` picks on a GPU (one-wave 64x64 tiles, ping-pong for short k-loops,
+    128x128 where tiles are few, 128x256 elsewhere), at the benchmark's shapes and ragged ones."""
+    failures = pk.spawn(_choices, 1, backend="cuda", timeout=600)[0]
+    assert not failures, "; ".join(failures)
+
+
+def _empty() -> list[str]:
+    dev, failures = pk.context().device, []
+    for m, k, n in [(0, 16, 8), (8, 16, 0), (24, 0, 16)]:  # no rows, no columns, an empty k-loop (zeros)
+        for dtype in (torch.bfloat16, torch.float32):
+            out = matmul(torch.ones(m, k, device=dev, dtype=dtype), torch.ones(k, n, device=dev, dtype=dtype))
+            if out.shape != (m, n) or out.dtype != dtype or bool(out.ne(0).any()):
+                failures.append(f"{m}x{k} @ {k}x{n} {dtype}: got {tuple(out.shape)} {out.dtype}, "
+                                f"{int(out.ne(0).sum())} nonzero")
+    return failures
+
+
+def test_matmul_of_empty_operands():
+    failures = pk.spawn(_empty, 1, timeout=300)[0]
+    assert not failures, "; ".join(failures)
+
+
 def _bad() -> list[str]:
     ctx = pk.context()
     dev = ctx.device

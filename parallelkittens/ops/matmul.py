@@ -103,12 +103,12 @@ def matmul_config(M: int, N: int, K: int, dtype: torch.dtype) -> MatmulConfig:
 def _gpu_matmul_config(shape: str, dtype: torch.dtype) -> MatmulConfig:
     cfg = replace(_gpu_default_config(dtype), flatten=True)
     if shape == "tiny":
-        cfg = replace(cfg, block_m=64, block_n=64, block_k=64 if dtype == torch.float32 else 128, num_stages=4,
-                      num_warps=4)
+        cfg = replace(cfg, block_m=64, block_n=64, block_k=64 if dtype == torch.float32 else 128,
+                      num_stages=4 if dtype == torch.float32 else 6, num_warps=4)
     elif shape == "short_k":
         cfg = replace(cfg, block_n=128, num_stages=4, num_warps=4, flatten=False, pingpong=True)
     elif shape == "few_tiles":
-        cfg = replace(cfg, block_n=128, num_stages=5 if dtype != torch.float32 else 4, num_warps=4)
+        cfg = replace(cfg, block_n=128, num_stages=6 if dtype != torch.float32 else 4, num_warps=4)
     return cfg.validate()
 
 
