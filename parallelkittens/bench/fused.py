@@ -2,7 +2,8 @@
 collective, and torch's fused_all_gather_matmul / fused_matmul_reduce_scatter where they run, over the paper's
 sweep (local shapes for W ranks: all-gather + GEMM N x N/W x N; the others N x N x N/W), plus a sweep of
 num_comm_sms at the largest N. At one rank the baseline that matters is our own GEMM on the same shape (issue
-4: each fused op within 1.03x of it)."""
+4: each fused op within 1.03x of it). Times are back to back (`_timeit`); up to N = 8192 also from CUDA graphs
+(`vs_our_gemm_graph`: device time alone, where back-to-back calls of small shapes show the host's time)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .collectives import _timeit
+from .collectives import _graph_ms, _timeit
 from .plot import line_plot
 
 SIZES = [2048, 4096, 8192, 16384, 32768]
@@ -84,6 +85,12 @@ def _rank(op: str) -> list[dict]:
             row[key.replace("_ms", "_tflops")] = flops / row[key] / 1e9
         row["vs_torch"] = row["torch_matmul_plus_dist_ms"] / row["ours_ms"]
         row["vs_our_gemm"] = row["ours_ms"] / row["our_gemm_ms"]
+        if n <= 8192:  # device time alone, from CUDA graphs: where the host's time per call shows back to back
+            full = torch.empty(m * world, k, device=a.device, dtype=a.dtype) if op == "all_gather_matmul" else a
+            row["ours_graph_ms"] = _graph_ms(lambda: ops[op](a, b), 10)  # noqa: B023
+            row["our_gemm_graph_ms"] = _graph_ms(lambda: matmul(full, b), 10)  # noqa: B023
+            if row["ours_graph_ms"] and row["our_gemm_graph_ms"]:
+                row["vs_our_gemm_graph"] = row["ours_graph_ms"] / row["our_gemm_graph_ms"]
         rows.append(row)
         del a, b
         torch.cuda.empty_cache()
@@ -108,15 +115,16 @@ def bench_fused(op: str) -> dict:
 
     world = max(1, torch.cuda.device_count())
     rows = pk.spawn(_rank, world, op, backend="cuda", timeout=1800)[0]
-    print(f"{'N':>6} {'ours TF/s':>10} {'our GEMM':>9} {'x GEMM':>7} {'mm+dist':>8} {'x mm+dist':>9} "
-          f"{'torch fused':>11}")
+    print(f"{'N':>6} {'ours TF/s':>10} {'our GEMM':>9} {'x GEMM':>7} {'graphs':>7} {'mm+dist':>8} "
+          f"{'x mm+dist':>9} {'torch fused':>11}")
     for r in rows:
         if "num_comm_sms" in r:
             print(f"{r['N']:>6} num_comm_sms={r['num_comm_sms']:<3} {r['ours_ms']:.3f} ms")
             continue
         fused = f"{r['torch_fused_tflops']:.0f}" if r.get("torch_fused_tflops") else "-"
+        graphs = f"{r['vs_our_gemm_graph']:.3f}" if r.get("vs_our_gemm_graph") else "-"
         print(f"{r['N']:>6} {r['ours_tflops']:>10.0f} {r['our_gemm_tflops']:>9.0f} {r['vs_our_gemm']:>7.3f} "
-              f"{r['torch_matmul_plus_dist_tflops']:>8.0f} {r['vs_torch']:>9.2f} {fused:>11}")
+              f"{graphs:>7} {r['torch_matmul_plus_dist_tflops']:>8.0f} {r['vs_torch']:>9.2f} {fused:>11}")
     return {"world_size": world, "rows": rows}
 
 
