@@ -195,11 +195,6 @@ def _host(dev: torch.device) -> None:
         for _ in range(1000):
             make(*args)
         print(f"   make_tensordesc_arg {1000 * (time.perf_counter() - start):6.2f}")
-        fill = triton.runtime.driver.active.utils.fill_tma_descriptor
-        start = time.perf_counter()
-        for _ in range(1000):
-            fill(a.data_ptr(), 3, 2, 10, [128, 64], [n, n], [n, 1], 0)
-        print(f"   fill_tma_descriptor {1000 * (time.perf_counter() - start):6.2f}")
     except Exception as e:
         print(f"   descriptor steps: {type(e).__name__}: {str(e)[:200]}")
     prof = cProfile.Profile()
