@@ -3,10 +3,12 @@ counts, ragged tiles, back-to-back calls reusing every buffer."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from conftest import worlds
 
 import parallelkittens as pk
-from parallelkittens.template import grid
+from parallelkittens.template import grid, lcsc
 from parallelkittens.template.example import ScaledAllGather, reference_scaled_all_gather
 from parallelkittens.testing import TOLERANCE, poison, rank_data, relative_error, shared_seed
 
@@ -61,3 +63,43 @@ def test_grid_validation():
     assert grid(3, 2, max_programs=8) == (5,)
     with pytest.raises(ValueError, match=r"num_comm_programs must be in \[0, 7\]"):
         grid(10, 8, max_programs=8)
+
+
+@triton.jit
+def _count_consumer(G, C, task, loader):
+    tl.atomic_add(G[0] + task, 1)  # consumers always run: they read only local memory
+    return task
+
+
+@triton.jit
+def _count_storer(G, C, task, result):
+    tl.atomic_add(G[1] + result, 1)
+
+
+@triton.jit
+def _count_communicator(G, C, task):
+    tl.atomic_add(G[2] + task, 1)
+
+
+@triton.jit
+def _go_kernel(consumed_ptr, stored_ptr, communicated_ptr, flag_ptr, num_tasks, num_comm, GO: tl.constexpr):
+    G = (consumed_ptr, stored_ptr, communicated_ptr)
+    go = tl.load(flag_ptr) == 0 if GO else None
+    lcsc(G, (1,), num_tasks, num_tasks, num_comm, None, _count_consumer, _count_storer, _count_communicator, go)
+
+
+@pytest.mark.parametrize("flag, given", [(0, True), (1, True), (1, False)])
+def test_go_gates_storers_and_communicators(flag, given):
+    """`go` false: every consumer still runs once per task, but no storer and no communicator does; no `go`:
+    everything runs."""
+    from parallelkittens.runtime.context import interpreting
+
+    device = "cpu" if interpreting() else "cuda"
+    tasks, num_comm = 7, 2
+    counts = [torch.zeros(tasks, dtype=torch.int32, device=device) for _ in range(3)]
+    flags = torch.tensor([flag], dtype=torch.int32, device=device)
+    _go_kernel[grid(tasks, num_comm, max_programs=5)](*counts, flags, tasks, num_comm, GO=given)
+    runs = 1 if flag == 0 or not given else 0
+    assert counts[0].tolist() == [1] * tasks
+    assert counts[1].tolist() == [runs] * tasks, counts[1].tolist()
+    assert counts[2].tolist() == [runs] * tasks, counts[2].tolist()
