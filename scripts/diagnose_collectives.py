@@ -12,30 +12,16 @@ import cProfile
 import io
 import os
 import pstats
-import time
 
 import torch
 
 import parallelkittens as pk
-from parallelkittens.bench.collectives import _graph_ms, _timeit
+from parallelkittens.bench.collectives import _graph_ms, _timeit, host_us
 
 
 def _device_us(fn, calls: int = 20) -> float:
     """Device time per call in µs: `calls` calls captured in one CUDA graph, replayed (the benchmark's timing)."""
     return 1000 * _graph_ms(fn, calls)
-
-
-def _host_us(fn, calls: int = 300) -> float:
-    """Wall time per call when calls are issued back to back (the host's share when it exceeds the device's)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    issued = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return issued * 1e6 / calls
 
 
 def _rank() -> None:
@@ -52,7 +38,7 @@ def _rank() -> None:
         for name, fn in [("all_reduce", lambda: pk.ops.all_reduce(x.local)),  # noqa: B023
                          ("all_gather", lambda: pk.ops.all_gather(x.local)),  # noqa: B023
                          ("copy_", lambda: dst.copy_(src))]:  # noqa: B023
-            print(f"{name:>12} {nbytes:>10} B  host {_host_us(fn):8.1f}  device {_device_us(fn):8.1f}")
+            print(f"{name:>12} {nbytes:>10} B  host {host_us(fn):8.1f}  device {_device_us(fn):8.1f}")
         x.free()
 
     from parallelkittens.runtime import launch as launching
@@ -65,7 +51,7 @@ def _rank() -> None:
         times, results = [], []
         for fast in (False, True):
             launching._enabled = fast
-            times.append(_host_us(fn))
+            times.append(host_us(fn))
             results.append(fn())
         launching._enabled = None  # as PK_FAST_LAUNCH says
         same = torch.equal(results[0], results[1])
@@ -92,7 +78,7 @@ def _rank() -> None:
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
         for name, fn in [("pk.matmul", lambda: pk.ops.matmul(a, b)), ("torch", lambda: a @ b)]:  # noqa: B023
-            print(f"{name:>12} {m}x{n}x{k}  host {_host_us(fn, 50):8.1f}  device {_device_us(fn, 5):8.1f}")
+            print(f"{name:>12} {m}x{n}x{k}  host {host_us(fn, 50):8.1f}  device {_device_us(fn, 5):8.1f}")
 
     _fused(dev)
     if os.environ.get("PK_DIAG_SWEEP", "1") != "1":
@@ -108,7 +94,7 @@ def _fused(dev: torch.device) -> None:
              ("mm_rs", lambda: pk.ops.matmul_reduce_scatter(a, b)), ("mm_ar", lambda: pk.ops.matmul_all_reduce(a, b)),
              ("ag_mm", lambda: pk.ops.all_gather_matmul(a, b))]
     for name, fn in fused:
-        print(f"{name:>12} 2048^3  host {_host_us(fn, 200):8.1f}  device {_device_us(fn, 10):8.1f}")
+        print(f"{name:>12} 2048^3  host {host_us(fn, 200):8.1f}  device {_device_us(fn, 10):8.1f}")
     for name, fn in fused[2:4]:
         prof = cProfile.Profile()
         prof.enable()

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 import parallelkittens as pk
-from parallelkittens.bench.collectives import _graph_ms
+from parallelkittens.bench.collectives import _graph_ms, host_us
 from parallelkittens.ops.matmul import (
     MatmulConfig,
     mainloop,
@@ -135,20 +135,7 @@ def _fused(dev: torch.device) -> None:
                 fns.pop(name)
     for name, us in best.items():
         print(f"   {name:<24} {us:7.2f} µs   vs pk.matmul {us / best['pk.matmul (flatten)']:6.3f}   host "
-              f"{_host_us(fns[name]):6.1f} µs per call")
-
-
-def _host_us(fn, calls: int = 300) -> float:
-    """Wall time per call issued back to back, the device kept busy first so that the host's share shows."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    issued = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return issued * 1e6 / calls
+              f"{host_us(fns[name]):6.1f} µs per call")
 
 
 def _cublas_kernels(dev: torch.device) -> None:
@@ -181,7 +168,7 @@ def _host(dev: torch.device) -> None:
     n = 2048
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    print(f"   pk.matmul {_host_us(lambda: matmul(a, b)):6.1f}   torch {_host_us(lambda: a @ b):6.1f}")
+    print(f"   pk.matmul {host_us(lambda: matmul(a, b)):6.1f}   torch {host_us(lambda: a @ b):6.1f}")
     start = time.perf_counter()
     for _ in range(1000):
         descriptor(a, [128, 64])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,20 @@ def _timeit(fn, nbytes: int) -> float:
     ms = torch.tensor([start.elapsed_time(end) / iters])
     dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=pk.context().cpu_group)
     return float(ms)
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host microseconds per call of `fn`, calls issued back to back after a few warm-ups: the host's share,
+    for shapes whose device time is shorter."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return issued * 1e6 / calls
 
 
 def _graph_ms(fn, calls: int = 20) -> float | None:

@@ -13,10 +13,10 @@ alike, each in three rounds taken in turns (the median round kept, so that a cha
 
 from __future__ import annotations
 
-import time
-
 import torch
 import triton
+
+from .collectives import _graph_ms, host_us
 
 SHAPES = [(8192, 8192, 8192)] + [s for n in (2048, 4096, 8192, 16384, 32768) for s in ((n, n // 8, n), (n, n, n // 8))]
 
@@ -41,8 +41,8 @@ def _rank() -> list[dict]:
                "vs_cublas_cold": cublas_cold / ours_cold, "rel_error": err,
                "pass": err < 1e-2 and cublas / ours >= 1.0}
         if ours < 0.1:
-            row["ours_host_us"] = _host_us(lambda: matmul(a, b))  # noqa: B023
-            row["torch_host_us"] = _host_us(lambda: torch.matmul(a, b))  # noqa: B023
+            row["ours_host_us"] = host_us(lambda: matmul(a, b))  # noqa: B023
+            row["torch_host_us"] = host_us(lambda: torch.matmul(a, b))  # noqa: B023
         rows.append(row)
     return rows
 
@@ -53,42 +53,8 @@ def _in_turns(ours, theirs, timer) -> tuple[float, float]:
     return tuple(sorted(times)[1] for times in zip(*rounds, strict=True))
 
 
-def _graph_ms(fn, calls: int = 20, reps: int = 10) -> float:
-    """Device milliseconds per call: `calls` calls in one CUDA graph, replayed `reps` times."""
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm up off the default stream, as capture requires
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (reps * calls)
-
-
 def _cold_ms(fn) -> float:
     return triton.testing.do_bench(fn, return_mode="median")
-
-
-def _host_us(fn, calls: int = 200) -> float:
-    """Host microseconds per call, issued back to back (the device is faster for the shapes asked about)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    issued = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return issued * 1e6 / calls
 
 
 def bench_matmul() -> dict:
