@@ -87,7 +87,7 @@ def _communicator(G, C, task):
         pkl.signal(flags_ptr + chunk, hf, (me + i) % world)
 
 
-@triton.jit(do_not_specialize=["num_comm"])
+@triton.jit(do_not_specialize=["num_comm", "rank"])
 def _ag_matmul_kernel(a_desc, a_ptr, a_full_ptr, a_full_desc, b_desc, c_desc, flags_ptr, hf, h, m_local, M, N, K,
                       num_tasks, num_comm_tasks, num_comm, skip_ptr, rank, world, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,

@@ -106,7 +106,7 @@ def _communicator(G, C, task):
         out.store([pid_m * C[0], pid_n * C[1] + j * half], src.load([pid_m * C[0], pid_n * C[1] + j * half]))
 
 
-@triton.jit(do_not_specialize=["num_comm"])
+@triton.jit(do_not_specialize=["num_comm", "rank"])
 def _mm_ar_kernel(a_desc, b_desc, buf_ptr, hb, buf_desc, res_ptr, hr, res_desc, out_desc, hc, M, N, K, ctr_ptr,
                   tiles, num_comm_tasks, num_comm, skip_ptr, rank, world, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr):

@@ -94,7 +94,7 @@ def _storer(G, C, task, result):
         out.store([row, col + half], right.to(out.dtype))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])  # one binary for every rank (Triton would fold rank 1 into a constant)
 def _mm_rs_kernel(a_desc, b_desc, buf_ptr, hb, buf_desc, ctr_ptr, hc, out_desc, M, N, K, m_block, per_owner,
                   skip_ptr, rank, world, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   GROUP_M: tl.constexpr, STAGES: tl.constexpr):
