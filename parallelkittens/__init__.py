@@ -25,16 +25,18 @@ from . import (  # noqa: E402
     ops,  # noqa: E402, I001
     template,
 )
-from .ops.barrier import barrier  # noqa: E402
-from .runtime.context import Context, check_errors, context, finalize, init, is_initialized, sync  # noqa: E402
+from .ops.collectives.barrier import barrier  # noqa: E402
+from .runtime.context import Context, context, finalize, init, is_initialized  # noqa: E402
 from .runtime.device import num_sms  # noqa: E402
-from .runtime.errors import PKError, RankError, WaitTimeoutError  # noqa: E402
+from .runtime.errors import MismatchError, PKError, RankError, WaitTimeoutError  # noqa: E402
 from .runtime.memory import ParallelTensor, empty, zeros  # noqa: E402
+from .runtime.settings import Settings  # noqa: E402
 from .runtime.spawn import spawn  # noqa: E402
+from .runtime.sync import check_errors, sync  # noqa: E402
 
 __all__ = [
-    "Context", "PKError", "ParallelTensor", "RankError", "WaitTimeoutError", "barrier", "check_errors", "context",
-    "empty", "finalize", "init", "is_initialized", "language", "num_sms", "ops", "spawn", "sync", "template",
-    "zeros",
+    "Context", "MismatchError", "PKError", "ParallelTensor", "RankError", "Settings", "WaitTimeoutError", "barrier",
+    "check_errors", "context", "empty", "finalize", "init", "is_initialized", "language", "num_sms", "ops", "spawn",
+    "sync", "template", "zeros",
 ]
 __version__ = "0.1.0"

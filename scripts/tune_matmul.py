@@ -1,9 +1,9 @@
 """Sweep the GEMM core's configurations over the benchmark's shapes on one GPU and print TFLOP/s beside cuBLAS,
-best first per shape. A developer's tool for choosing `ops.matmul.default_config`.
+best first per shape. A developer's tool for choosing `ops.gemm.matmul.matmul_config`.
 
     python scripts/tune_matmul.py                      # every shape of bench/matmul.py
     TUNE_SHAPES=4096x512x4096,4096x4096x512 python scripts/tune_matmul.py
-    TUNE_ONLY=pingpong,split TUNE_TOP=8 python scripts/tune_matmul.py   # some kinds of configuration, 8 best
+    TUNE_ONLY=pingpong TUNE_TOP=8 python scripts/tune_matmul.py   # some kinds of configuration, 8 best
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import triton
 
 import parallelkittens as pk
 from parallelkittens.bench.matmul import SHAPES
-from parallelkittens.ops.matmul import MatmulConfig, matmul
+from parallelkittens.ops.gemm.matmul import MatmulConfig, matmul
 
 CONFIGS = [MatmulConfig(bm, bn, bk, 8, stages, warps, flatten) for bm, bn, bk, stages, warps, flatten in [
     (128, 256, 64, 3, 8, False), (128, 256, 64, 3, 8, True), (128, 256, 64, 4, 8, False), (128, 256, 64, 4, 8, True),
@@ -29,17 +29,12 @@ CONFIGS += [MatmulConfig(128, n, 64, g, s, w, True) for n, s, w in [(128, 5, 4),
 # the warp-specialised ping-pong kernel (Hopper, Gluon): two consumer warp groups, 4 warps each
 CONFIGS += [MatmulConfig(bm, bn, 64, 8, stages, 4, pingpong=True) for bm, bn, most in (
     (128, 128, 5), (64, 256, 4), (64, 128, 6), (128, 64, 6), (64, 64, 8)) for stages in range(4, most + 1)]
-# split-K: several programs per output tile, the last to arrive adds the partials
-CONFIGS += [MatmulConfig(bm, bn, 64, 8, stages, warps, splits=splits) for bm, bn, stages, warps, most in [
-    (128, 128, 4, 4, 8), (128, 256, 3, 8, 4), (64, 128, 4, 4, 4), (64, 256, 4, 4, 4)] for splits in range(2, most + 1)]
 
-
-KINDS = {"pingpong": lambda c: c.pingpong, "split": lambda c: c.splits > 1,
-         "tl": lambda c: not c.pingpong and c.splits == 1}
+KINDS = {"pingpong": lambda c: c.pingpong, "tl": lambda c: not c.pingpong}
 
 
 def _rank() -> None:
-    only = os.environ.get("TUNE_ONLY")  # e.g. "pingpong,split": only those kinds of configuration
+    only = os.environ.get("TUNE_ONLY")  # e.g. "pingpong": only those kinds of configuration
     configs = [c for c in CONFIGS if not only or any(KINDS[kind](c) for kind in only.split(","))]
     picked = os.environ.get("TUNE_SHAPES")
     shapes = [tuple(map(int, s.split("x"))) for s in picked.split(",")] if picked else SHAPES
@@ -61,7 +56,7 @@ def _rank() -> None:
               flush=True)
         for tflops, cfg in results[:int(os.environ.get("TUNE_TOP", 4))]:
             print(f"   {tflops:6.0f} ({tflops / cublas:.3f})  {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
-                  f"stages {cfg.num_stages} warps {cfg.num_warps} flatten {cfg.flatten} splits {cfg.splits} "
+                  f"stages {cfg.num_stages} warps {cfg.num_warps} flatten {cfg.flatten} "
                   f"pingpong {cfg.pingpong}",
                   flush=True)
 

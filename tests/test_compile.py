@@ -1,5 +1,5 @@
 """Compile the primitives for sm_90 without a GPU and check the PTX: release/acquire at system scope, bulk
-copies waited for before a signal, TMA where asked for, and no timer in the hot path unless PK_DEBUG=1."""
+copies waited for before a signal, TMA where asked for, and every wait bounded (a timer read)."""
 
 import json
 import os
@@ -9,11 +9,11 @@ import sys
 import pytest
 
 SIGNALLING = ("signal_wait", "signal_all", "barrier_all", "lcsc_example", "collective_pull", "collective_pull_copy",
-              "agreement", "matmul_reduce_scatter", "matmul_all_reduce")
+              "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 
-def _markers(debug: str) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="0", PK_DEBUG=debug)
+def _markers() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="0")
     out = subprocess.run([sys.executable, "-m", "parallelkittens.testing.compile_check", "--arch", "90"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -22,17 +22,12 @@ def _markers(debug: str) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled():
-    return _markers("0")
+    return _markers()
 
 
 @pytest.fixture(scope="module")
 def hot(compiled):
     return compiled["markers"]
-
-
-@pytest.fixture(scope="module")
-def debug():
-    return _markers("1")["markers"]
 
 
 @pytest.mark.parametrize("kernel", SIGNALLING)
@@ -42,9 +37,9 @@ def test_signals_order_memory_at_system_scope(hot, kernel):
 
 
 @pytest.mark.parametrize("kernel", SIGNALLING)
-def test_hot_path_has_no_timer_and_debug_path_has_one(hot, debug, kernel):
-    assert "globaltimer" not in hot[kernel]
-    assert "globaltimer" in debug[kernel]
+def test_every_wait_is_bounded(hot, kernel):
+    # the clock is read only after a first poll fails (language/signals.py), so a met counter costs one load
+    assert "globaltimer" in hot[kernel]
 
 
 @pytest.mark.parametrize("kernel", ["collective_pull", "collective_pull_copy"])
@@ -66,17 +61,12 @@ def test_gemm_core_uses_wgmma_and_tma(hot):
 
 
 def test_pingpong_gemm_is_warp_specialised(hot, compiled):
-    from parallelkittens.ops import matmul_pingpong
+    from parallelkittens.ops.gemm import pingpong
 
-    if not matmul_pingpong.AVAILABLE:
+    if not pingpong.AVAILABLE:
         pytest.skip("this Triton has no Gluon warp specialisation")
     assert "wgmma" in hot["matmul_pingpong"] and "tma_store" in hot["matmul_pingpong"], hot["matmul_pingpong"]
     assert "setmaxnreg" in hot["matmul_pingpong"], "no register reallocation between the roles"
-
-
-def test_split_k_publishes_partials_before_counting_them(hot):
-    for marker in ("wgmma", "tma_store", "bulk_wait", "proxy_fence", "acq_rel_gpu_atomic"):
-        assert marker in hot["matmul_split_k"], f"no {marker} in the split-K GEMM's PTX ({hot['matmul_split_k']})"
 
 
 @pytest.mark.parametrize("kernel", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])

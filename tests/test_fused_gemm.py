@@ -6,14 +6,13 @@ import torch
 from conftest import worlds
 
 import parallelkittens as pk
-from parallelkittens.ops.all_gather_matmul import all_gather_matmul, reference_all_gather_matmul
-from parallelkittens.ops.matmul import MatmulConfig, matmul, reference_matmul
-from parallelkittens.ops.matmul_all_reduce import matmul_all_reduce, reference_matmul_all_reduce
-from parallelkittens.ops.matmul_reduce_scatter import matmul_reduce_scatter, reference_matmul_reduce_scatter
-from parallelkittens.testing import max_abs_error, rank_data, relative_error, shared_seed
+from parallelkittens.ops.gemm.all_gather_matmul import all_gather_matmul, reference_all_gather_matmul
+from parallelkittens.ops.gemm.matmul import MatmulConfig, matmul, reference_matmul
+from parallelkittens.ops.gemm.matmul_all_reduce import matmul_all_reduce, reference_matmul_all_reduce
+from parallelkittens.ops.gemm.matmul_reduce_scatter import matmul_reduce_scatter, reference_matmul_reduce_scatter
+from parallelkittens.testing import check_close, max_abs_error, rank_data, relative_error, shared_seed, tolerance
 
-# bf16/fp16 operands, fp32 accumulation: about one rounding of the output; fp32 runs as tf32 on a GPU
-BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-3}
+BOUND = {dtype: tolerance(dtype, "gemm") for dtype in (torch.bfloat16, torch.float16, torch.float32)}
 
 
 def _run(m: int, k: int, n: int) -> list[str]:
@@ -22,10 +21,9 @@ def _run(m: int, k: int, n: int) -> list[str]:
     seed, failures = shared_seed(), []
 
     def check(what: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-        # the norm catches small errors everywhere, the worst element a single wrong or unwritten tile
-        err, worst = relative_error(out, ref), max_abs_error(out, ref) / float(ref.abs().max())
-        if not (err <= BOUND[dtype] and worst <= 4 * BOUND[dtype]):
-            failures.append(f"{what} {dtype}: relative error {err:.2e}, worst element {worst:.2e} of max |ref|")
+        problem = check_close(what, out, ref, dtype, "gemm")
+        if problem:
+            failures.append(problem)
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         check("matmul", matmul(rank_data((m, k), dtype, seed, me), rank_data((k, n), dtype, seed, 100)),
@@ -59,40 +57,10 @@ def test_fused_gemms_match_float64(world, m, k, n):
         assert not failures, f"rank {rank}: " + "; ".join(failures)
 
 
-def _split_k(splits: int) -> list[str]:
-    gpu = torch.cuda.is_available()
-    # (M, K, N): one or two output tiles, the k-loop split unevenly, and with 3 splits of 2 k-steps one is empty
-    shapes = [(200, 1000, 400), (100, 72, 200), (130, 4096, 136)] if gpu else [(20, 200, 24), (40, 40, 24)]
-    seed, failures = shared_seed(), []
-    for m, k, n in shapes:
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            # on a GPU, 4 stages of fp32 128x128x64 tiles would need 256 KB of shared memory
-            cfg = (MatmulConfig(128, 128, 64, 8, 2 if dtype == torch.float32 else 4, 4, splits=splits) if gpu
-                   else MatmulConfig(32, 32, 32, 2, 1, 4, splits=splits))
-            for call in range(2):  # the second call finds the arrival counters re-armed by the first
-                a, b = rank_data((m, k), dtype, seed + call, 0), rank_data((k, n), dtype, seed + call, 1)
-                err = relative_error(matmul(a, b, cfg), reference_matmul(a, b))
-                if not err <= BOUND[dtype]:
-                    failures.append(f"{m}x{k}x{n} {dtype} call {call}: relative error {err:.2e}")
-    arrived = [v[1] for key, v in pk.context().cache.items() if isinstance(key, tuple) and key[0] == "split_k"]
-    if not arrived:
-        failures.append("the split-K kernel did not run (its scratch was never made)")
-    elif int(arrived[0].abs().sum()):
-        failures.append(f"arrival counters not re-armed after the calls: {arrived[0].tolist()}")
-    return failures
-
-
-@pytest.mark.parametrize("splits", [2, 3])
-def test_split_k_gemm_matches_float64(splits):
-    """The plain GEMM with its k-loop split across programs; the last split of a tile to arrive finishes it."""
-    failures = pk.spawn(_split_k, 1, splits, timeout=600)[0]
-    assert not failures, "; ".join(failures)
-
-
 def _pingpong() -> list[str]:
-    from parallelkittens.ops import matmul_pingpong
+    from parallelkittens.ops.gemm import pingpong
 
-    failures = [] if matmul_pingpong.usable(pk.context().device, torch.bfloat16) else ["ping-pong GEMM not usable"]
+    failures = [] if pingpong.usable(pk.context().device, torch.bfloat16) else ["ping-pong GEMM not usable"]
     seed = shared_seed()
     # one tile; ragged edges in every dimension; more tiles than SMs (both consumers, several tiles each)
     for m, k, n in [(64, 64, 64), (200, 1000, 400), (130, 4096, 136), (4104, 264, 2056), (2048, 1024, 1536)]:
@@ -101,11 +69,10 @@ def _pingpong() -> list[str]:
             for dtype in (torch.bfloat16, torch.float16):
                 for call in range(2):
                     a, b = rank_data((m, k), dtype, seed + call, 0), rank_data((k, n), dtype, seed + call, 1)
-                    out, ref = matmul(a, b, cfg), reference_matmul(a, b)
-                    err, worst = relative_error(out, ref), max_abs_error(out, ref) / float(ref.abs().max())
-                    if not (err <= BOUND[dtype] and worst <= 4 * BOUND[dtype]):
-                        failures.append(f"{m}x{k}x{n} {cfg.block_m}x{cfg.block_n} {dtype} call {call}: relative "
-                                        f"error {err:.2e}, worst element {worst:.2e}")
+                    problem = check_close(f"{m}x{k}x{n} {cfg.block_m}x{cfg.block_n} call {call}", matmul(a, b, cfg),
+                                          reference_matmul(a, b), dtype, "gemm")
+                    if problem:
+                        failures.append(problem)
     return failures
 
 
@@ -117,7 +84,7 @@ def test_pingpong_gemm_matches_float64():
 
 
 def _choices() -> list[str]:
-    from parallelkittens.ops.matmul import _gpu_matmul_config, matmul_config
+    from parallelkittens.ops.gemm.matmul import _gpu_matmul_config, matmul_config
 
     seed, failures, seen = shared_seed(), [], set()
     # W = 8 local shapes of the benchmark (each of matmul_config's classes), then ragged ones of the same classes
@@ -129,11 +96,10 @@ def _choices() -> list[str]:
                         if cfg == _gpu_matmul_config(shape, dtype))
             for call in range(2):
                 a, b = rank_data((m, k), dtype, seed + call, 0), rank_data((k, n), dtype, seed + call, 1)
-                out, ref = matmul(a, b), reference_matmul(a, b)
-                err, worst = relative_error(out, ref), max_abs_error(out, ref) / float(ref.abs().max())
-                if not (err <= BOUND[dtype] and worst <= 4 * BOUND[dtype]):
-                    failures.append(f"{m}x{n}x{k} {dtype} {cfg} call {call}: relative error {err:.2e}, worst "
-                                    f"element {worst:.2e}")
+                problem = check_close(f"{m}x{n}x{k} {cfg} call {call}", matmul(a, b), reference_matmul(a, b), dtype,
+                                      "gemm")
+                if problem:
+                    failures.append(problem)
     if len(seen) < 4:
         failures.append(f"only these configurations ran: {sorted(seen)}")
     return failures
@@ -244,9 +210,9 @@ def test_buffers_are_reused_across_shapes():
         assert not failures, f"rank {rank}: {failures}"
 
 
-def _device_side_mismatch() -> list[str]:
-    """Without PK_DEBUG's host check, ranks that call a fused op with different shapes skip it on the device and
-    get MismatchError on every rank; the op works again afterwards."""
+def _host_side_mismatch() -> list[str]:
+    """Ranks whose first call of a signature differs learn it when the plan is built, on the host, on every rank,
+    before any buffer grows or kernel starts; the ops work again afterwards."""
     ctx = pk.context()
     world, me, dev = ctx.local_world_size, ctx.local_rank, ctx.device
 
@@ -254,44 +220,49 @@ def _device_side_mismatch() -> list[str]:
         return torch.ones(shape, device=dev, dtype=torch.float16)
 
     out = []
-    ctx.debug = False  # skip the host-side comparison
-    try:
-        for name, call in [
-            ("all_gather_matmul", lambda: all_gather_matmul(ones(8 + 8 * me, 16), ones(16, 24), num_comm_sms=1)),
-            ("matmul_reduce_scatter",
-             lambda: matmul_reduce_scatter(ones(8 * world, 16 + 8 * me), ones(16 + 8 * me, 24))),
-            ("matmul_all_reduce", lambda: matmul_all_reduce(ones(16, 16), ones(16, 24 + 8 * me), num_comm_sms=1)),
-            ("different ops", lambda: matmul_all_reduce(ones(16, 16), ones(16, 24), num_comm_sms=1) if me else
-             all_gather_matmul(ones(16, 16), ones(16, 24), num_comm_sms=1)),
-            # one rank leaves early (an empty call, an error only it sees): the others must not wait for it
-            ("empty on one rank", lambda: matmul_all_reduce(ones(0 if me == 1 else 16, 16), ones(16, 24),
-                                                            num_comm_sms=1)),
-            ("empty shard on one rank", lambda: all_gather_matmul(ones(0 if me == 1 else 8, 16), ones(16, 24),
-                                                                  num_comm_sms=1)),
-            ("rows not divisible on one rank", lambda: matmul_reduce_scatter(ones(8 * world + (me == 1), 16),
-                                                                             ones(16, 24))),
-            # host steps all ranks must take together, which only rank 0 needs: growing a symmetric buffer (its
-            # 2 MiB output against the 1 MiB made so far), tuning the communicator count
-            ("buffers grow on one rank", lambda: matmul_all_reduce(ones(16, 16), ones(16, 65536 if me == 0 else 24),
-                                                                   num_comm_sms=1)),
-            ("tuning on one rank", lambda: matmul_all_reduce(ones(16, 16), ones(16, 24),
-                                                             num_comm_sms=None if me == 0 else 1)),
-        ]:
-            error = None
-            try:
-                call()
-            except pk.PKError as e:  # raised on this rank only: its peers learn of it at their pk.sync()
-                error = e
-            try:
-                pk.sync()
-            except pk.PKError as e:
-                error = error or e
-            out.append(f"{name}: {type(error).__name__}: {error}" if error else f"{name}: no error")
-    finally:
-        ctx.debug = True
+    for name, call in [
+        ("all_gather_matmul", lambda: all_gather_matmul(ones(8 + 8 * me, 16), ones(16, 24), num_comm_sms=1)),
+        ("matmul_reduce_scatter", lambda: matmul_reduce_scatter(ones(8 * world, 16 + 8 * me), ones(16 + 8 * me, 24))),
+        ("matmul_all_reduce", lambda: matmul_all_reduce(ones(16, 16), ones(16, 24 + 8 * me), num_comm_sms=1)),
+        ("different ops", lambda: matmul_all_reduce(ones(16, 16), ones(16, 24), num_comm_sms=1) if me else
+         all_gather_matmul(ones(16, 16), ones(16, 24), num_comm_sms=1)),
+        ("empty on one rank", lambda: matmul_all_reduce(ones(0 if me == 1 else 16, 16), ones(16, 24),
+                                                        num_comm_sms=1)),
+        ("empty shard on one rank", lambda: all_gather_matmul(ones(0 if me == 1 else 8, 16), ones(16, 24),
+                                                              num_comm_sms=1)),
+        ("rows not divisible on one rank", lambda: matmul_reduce_scatter(ones(8 * world + (me == 1), 16),
+                                                                         ones(16, 24))),
+        # what would make only rank 0 grow the heap (its 2 MiB output against the 1 MiB pools), or tune
+        ("buffers grow on one rank", lambda: matmul_all_reduce(ones(16, 16), ones(16, 65536 if me == 0 else 24),
+                                                               num_comm_sms=1)),
+        ("tuning on one rank", lambda: matmul_all_reduce(ones(16, 16), ones(16, 24),
+                                                         num_comm_sms=None if me == 0 else 1)),
+    ]:
+        before = dict(ctx.stats)
+        error = None
+        try:
+            call()
+        except pk.PKError as e:
+            error = e
+        try:
+            pk.sync()
+        except pk.PKError as e:
+            error = error or e
+        grew = {k: ctx.stats[k] - before.get(k, 0) for k in ("heap_pools", "heap_blocks", "tunings", "plans")
+                if ctx.stats[k] != before.get(k, 0)}
+        out.append(f"{name}: {type(error).__name__}: {error}" + (f" (yet grew {grew})" if grew else ""))
+    out += _still_correct()
+    pk.sync()
+    return out
+
+
+def _still_correct() -> list[str]:
+    ctx = pk.context()
+    world, me = ctx.local_world_size, ctx.local_rank
     seed = shared_seed()
     a_parts = [rank_data((8 * world, 16), torch.float16, seed, r) for r in range(world)]
     b_parts = [rank_data((16, 24), torch.float16, seed, 50 + r) for r in range(world)]
+    out = []
     for what, result, ref in [
         ("all_gather_matmul", all_gather_matmul(a_parts[me], b_parts[0], num_comm_sms=1),
          reference_all_gather_matmul(a_parts, b_parts[0])),
@@ -302,45 +273,65 @@ def _device_side_mismatch() -> list[str]:
     ]:
         worst = max_abs_error(result, ref) / float(ref.abs().max())
         out.append(f"{what} afterwards: relative error {max(relative_error(result, ref), worst / 4):.1e}")
-    pk.sync()
     return out
 
 
-def test_device_side_mismatch_is_reported_not_hung(monkeypatch):
-    # Unbounded waits (PK_DEBUG=0), as in production: a kernel that did not skip would hang until the deadline.
-    monkeypatch.setenv("PK_DEBUG", "0")
-    for msgs in pk.spawn(_device_side_mismatch, 3, timeout=120):
+def test_host_side_mismatch_is_reported_on_every_rank():
+    for msgs in pk.spawn(_host_side_mismatch, 3, timeout=300):
         for op, msg in zip(("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"), msgs, strict=False):
-            assert msg.startswith(f"{op}: MismatchError") and f"{op} with" in msg, msg
-        assert msgs[3].startswith("different ops: MismatchError"), msgs[3]
-        assert msgs[4].startswith("empty on one rank: MismatchError"), msgs[4]
-        assert msgs[5].startswith("empty shard on one rank: MismatchError"), msgs[5]
-        assert msgs[6].startswith("rows not divisible on one rank: "), msgs[6]
-        assert "MismatchError" in msgs[6] or "do not divide by the world size 3" in msgs[6], msgs[6]
-        assert msgs[7].startswith("buffers grow on one rank: MismatchError"), msgs[7]
-        assert msgs[8].startswith("tuning on one rank: MismatchError"), msgs[8]
+            assert msg.startswith(f"{op}: MismatchError") and "ranks called it differently" in msg, msg
+        assert msgs[3].startswith("different ops: MismatchError") and "different steps" in msgs[3], msgs[3]
+        for i, case in ((4, "empty on one rank"), (5, "empty shard on one rank"), (7, "buffers grow on one rank"),
+                        (8, "tuning on one rank")):
+            assert msgs[i].startswith(f"{case}: MismatchError"), msgs[i]
+        assert msgs[6].startswith("rows not divisible on one rank: PKError") and \
+            "do not divide by the world size 3" in msgs[6], msgs[6]
+        assert not any("yet grew" in m for m in msgs[:9]), msgs[:9]
         for msg in msgs[9:]:
             assert float(msg.rsplit(" ", 1)[1]) <= BOUND[torch.float16], msg
 
 
-def _first_calls_differ() -> str:
-    """The very first fused call differs between ranks: each would make its own op's buffers (collective)."""
-    me, dev = pk.context().local_rank, pk.context().device
-    a, b = torch.ones(16, 16, device=dev, dtype=torch.float16), torch.ones(16, 24, device=dev, dtype=torch.float16)
-    pk.context().debug = False
-    error = None
-    try:
-        matmul_reduce_scatter(a, b) if me else all_gather_matmul(a, b, num_comm_sms=1)
-    except pk.PKError as e:
-        error = e
-    try:
-        pk.sync()
-    except pk.PKError as e:
-        error = error or e
-    return f"{type(error).__name__}: {error}"
+def _device_side_mismatch() -> list[str]:
+    """Plans every rank built together, then called in different orders: the kernels' meeting finds the calls
+    differ, every rank skips its peer work, and `pk.sync()` raises MismatchError on every rank."""
+    ctx = pk.context()
+    world, me, dev = ctx.local_world_size, ctx.local_rank, ctx.device
+
+    def ones(*shape):
+        return torch.ones(shape, device=dev, dtype=torch.float16)
+
+    shapes = {"small": (ones(8, 16), ones(16, 24)), "large": (ones(16, 16), ones(16, 40))}
+    ops = {"all_gather_matmul": lambda a, b: all_gather_matmul(a, b, num_comm_sms=1),
+           "matmul_reduce_scatter": lambda a, b: matmul_reduce_scatter(torch.cat([a] * world), b),
+           "matmul_all_reduce": lambda a, b: matmul_all_reduce(a, b, num_comm_sms=1)}
+    for fn in ops.values():  # every plan built on every rank, in the same order
+        for a, b in shapes.values():
+            fn(a, b)
+    pk.sync()
+    built = ctx.stats["plans"]
+    out = []
+    cases = [(name, fn, shapes["small" if me == 0 else "large"]) for name, fn in ops.items()]
+    cases.append(("different ops", ops["matmul_all_reduce"] if me else ops["all_gather_matmul"], shapes["small"]))
+    for name, fn, (a, b) in cases:
+        error = None
+        try:
+            fn(a, b)
+            pk.sync()
+        except pk.PKError as e:
+            error = e
+        out.append(f"{name}: {type(error).__name__}: {error}")
+    if ctx.stats["plans"] != built:
+        out.append(f"plans were built during the mismatched calls: {ctx.stats['plans'] - built}")
+    out += _still_correct()
+    pk.sync()
+    return out
 
 
-def test_first_calls_of_different_ops_are_reported_not_hung(monkeypatch):
-    monkeypatch.setenv("PK_DEBUG", "0")
-    for msg in pk.spawn(_first_calls_differ, 2, timeout=120):
-        assert msg.startswith("MismatchError") and " with (16, 16), (16, 24)" in msg, msg
+def test_device_side_mismatch_is_reported_not_hung():
+    for msgs in pk.spawn(_device_side_mismatch, 3, timeout=300):
+        for op, msg in zip(("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"), msgs, strict=False):
+            assert msg.startswith(f"{op}: MismatchError") and f"{op} with" in msg, msg
+        assert msgs[3].startswith("different ops: MismatchError"), msgs[3]
+        assert len(msgs) == 7, msgs  # no plan was built by the mismatched calls
+        for msg in msgs[4:]:
+            assert float(msg.rsplit(" ", 1)[1]) <= BOUND[torch.float16], msg

@@ -6,9 +6,9 @@ import torch
 from conftest import worlds
 
 import parallelkittens as pk
-from parallelkittens.ops.all_gather_matmul import reference_all_gather_matmul
-from parallelkittens.ops.matmul_all_reduce import reference_matmul_all_reduce
-from parallelkittens.ops.matmul_reduce_scatter import reference_matmul_reduce_scatter
+from parallelkittens.ops.gemm.all_gather_matmul import reference_all_gather_matmul
+from parallelkittens.ops.gemm.matmul_all_reduce import reference_matmul_all_reduce
+from parallelkittens.ops.gemm.matmul_reduce_scatter import reference_matmul_reduce_scatter
 from parallelkittens.testing import poison, rank_data, relative_error, shared_seed
 
 pytestmark = pytest.mark.gpu

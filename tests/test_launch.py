@@ -1,4 +1,4 @@
-"""`runtime/launch.py`: when a compiled kernel is launched again directly, and the direct launch's argument order
+"""`runtime/launch.py`: when a bound kernel is launched again directly, and the direct launch's argument order
 (with stand-ins for Triton's kernel objects and driver: the real launcher needs a GPU)."""
 
 import types
@@ -6,6 +6,7 @@ import types
 import pytest
 import torch
 
+import parallelkittens as pk
 from parallelkittens.runtime import launch as launching
 
 
@@ -23,60 +24,94 @@ class _Kernel:
     arg_names = ["a", "n", "BLOCK"]
 
     def __init__(self):
-        self.compiled, self.slow = _Compiled(), 0
+        self.compiled, self.slow = _Compiled(), []
 
     def __getitem__(self, grid):
-        def run(*args, **kwargs):
-            self.slow += 1
+        def run(**kwargs):
+            self.slow.append((grid, kwargs))
             return self.compiled
         return run
 
 
-@pytest.fixture
-def direct(monkeypatch):
-    monkeypatch.setattr(launching, "_enabled", True)
-    monkeypatch.setattr(launching, "_compiled", {})
-    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 5)
-    monkeypatch.setattr(launching, "driver", types.SimpleNamespace(active=active))
-
-
-def test_second_launch_with_a_key_calls_the_compiled_launcher_with_every_parameter_in_order(direct):
+def _bound(monkeypatch, direct: bool = True, **named):
+    monkeypatch.setattr(launching, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_stream=lambda device: 5)))
     kernel = _Kernel()
-    for n in (9, 9):
-        launching.launch(kernel, (3,), "x", n, BLOCK=64, num_warps=4, key=("shape", 1))
-    assert kernel.slow == 1
-    (call,) = kernel.compiled.calls
+    launcher = launching.Launcher(kernel, (3,), per_call=("a",), **named)
+    launcher._direct_ok = direct  # as on a GPU with PK_FAST_LAUNCH=1
+    return kernel, launcher
+
+
+def _in_a_rank(test: str) -> list:
+    import _pytest.monkeypatch
+
+    mp = _pytest.monkeypatch.MonkeyPatch()
+    try:
+        return globals()[test](mp)
+    finally:
+        mp.undo()
+
+
+def _second_call_is_direct(mp) -> list:
+    kernel, launcher = _bound(mp, n=9, BLOCK=64, num_warps=4)
+    x = torch.zeros(4)
+    launcher(x)
+    launcher(x)
+    first = {k: v for k, v in kernel.slow[0][1].items() if k != "a"}
+    calls = [tuple("x" if v is x else v for v in call) for call in kernel.compiled.calls]
+    return [len(kernel.slow), first, calls]
+
+
+def _misaligned_goes_through_triton(mp) -> list:
+    kernel, launcher = _bound(mp, n=9, BLOCK=64)
+    x = torch.zeros(8)
+    launcher(x)
+    launcher(x[1:])  # 4 bytes in: Triton specialises pointers by 16-byte alignment
+    return [len(kernel.slow), len(kernel.compiled.calls)]
+
+
+def _hook_keeps_triton_in_charge(mp) -> list:
+    from triton import knobs
+
+    kernel, launcher = _bound(mp, n=9, BLOCK=64)
+    mp.setattr(knobs.runtime.launch_enter_hook, "calls", [lambda *a: None])  # a profiler, say
+    for _ in range(2):
+        launcher(torch.zeros(4))
+    return [len(kernel.slow)]
+
+
+def _interpreter_never_direct(mp) -> list:
+    return [launching.Launcher(_Kernel(), (1,), per_call=("a",), n=1, BLOCK=2)._direct_ok]
+
+
+def _every_parameter_is_named(mp) -> list:
+    try:
+        launching.Launcher(_Kernel(), (1,), per_call=("a",), n=1)
+    except TypeError as e:
+        return [str(e)]
+    return ["no error"]
+
+
+def test_second_call_goes_straight_to_the_compiled_launcher_with_every_parameter_in_order():
+    slow, first_kwargs, direct = pk.spawn(_in_a_rank, 1, "_second_call_is_direct")[0]
+    assert slow == 1 and first_kwargs["n"] == 9 and first_kwargs["num_warps"] == 4
+    (call,) = direct
     assert call == (3, 1, 1, 5, "fn", "meta", None, None, None, "x", 9, 64)
 
 
-def test_other_keys_and_no_key_go_through_triton(direct):
-    kernel = _Kernel()
-    launching.launch(kernel, (3,), "x", 9, BLOCK=64, key=("shape", 1))
-    launching.launch(kernel, (3,), "x", 9, BLOCK=64, key=("shape", 2))  # another specialisation
-    launching.launch(kernel, (4,), "x", 9, BLOCK=64, key=("shape", 1))  # another grid
-    launching.launch(kernel, (3,), "x", 9, BLOCK=64)  # no promise from the caller
-    assert kernel.slow == 4 and not kernel.compiled.calls
+def test_a_misaligned_tensor_takes_tritons_path():
+    assert pk.spawn(_in_a_rank, 1, "_misaligned_goes_through_triton")[0] == [2, 0]
 
 
-def test_a_parameter_left_to_its_default_keeps_triton_in_charge(direct):
-    kernel = _Kernel()
-    for _ in range(2):
-        launching.launch(kernel, (3,), "x", 9, key="k")  # BLOCK not given: the launcher needs every value
-    assert kernel.slow == 2
+def test_an_installed_launch_hook_keeps_triton_in_charge():
+    assert pk.spawn(_in_a_rank, 1, "_hook_keeps_triton_in_charge")[0] == [2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs where there is no GPU")
-def test_the_interpreter_never_launches_directly(monkeypatch):
-    monkeypatch.setattr(launching, "_enabled", None)
-    monkeypatch.setenv("PK_FAST_LAUNCH", "1")
-    assert launching.fast_launch_enabled() is False  # the CPU tests run under TRITON_INTERPRET=1
+def test_the_interpreter_never_launches_directly():
+    assert pk.spawn(_in_a_rank, 1, "_interpreter_never_direct")[0] == [False]
 
 
-def test_an_installed_launch_hook_keeps_triton_in_charge(direct, monkeypatch):
-    from triton import knobs
-
-    kernel = _Kernel()
-    monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [lambda *a: None])  # a profiler, say
-    for _ in range(2):
-        launching.launch(kernel, (3,), "x", 9, BLOCK=64, key="k")
-    assert kernel.slow == 2
+def test_a_parameter_left_out_is_an_error():
+    (message,) = pk.spawn(_in_a_rank, 1, "_every_parameter_is_named")[0]
+    assert "missing ['BLOCK']" in message

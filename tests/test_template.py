@@ -1,6 +1,8 @@
 """The LCSC template through its worked example, `ScaledAllGather`: any world size, several communicator
 counts, ragged tiles, back-to-back calls reusing every buffer."""
 
+from typing import NamedTuple
+
 import pytest
 import torch
 import triton
@@ -8,7 +10,7 @@ import triton.language as tl
 from conftest import worlds
 
 import parallelkittens as pk
-from parallelkittens.template import grid, lcsc
+from parallelkittens.template import grid, lcsc, meeting
 from parallelkittens.template.example import ScaledAllGather, reference_scaled_all_gather
 from parallelkittens.testing import TOLERANCE, poison, rank_data, relative_error, shared_seed
 
@@ -65,41 +67,69 @@ def test_grid_validation():
         grid(10, 8, max_programs=8)
 
 
+class Counts(NamedTuple):
+    consumed: object
+    stored: object
+    communicated: object
+    finished: object
+
+
 @triton.jit
 def _count_consumer(G, C, task, loader):
-    tl.atomic_add(G[0] + task, 1)  # consumers always run: they read only local memory
+    tl.atomic_add(G.consumed + task, 1)  # consumers always run: they read only local memory
     return task
 
 
 @triton.jit
 def _count_storer(G, C, task, result):
-    tl.atomic_add(G[1] + result, 1)
+    tl.atomic_add(G.stored + result, 1)
 
 
 @triton.jit
 def _count_communicator(G, C, task):
-    tl.atomic_add(G[2] + task, 1)
+    tl.atomic_add(G.communicated + task, 1)
 
 
 @triton.jit
-def _go_kernel(consumed_ptr, stored_ptr, communicated_ptr, flag_ptr, num_tasks, num_comm, GO: tl.constexpr):
-    G = (consumed_ptr, stored_ptr, communicated_ptr)
-    go = tl.load(flag_ptr) == 0 if GO else None
-    lcsc(G, (1,), num_tasks, num_tasks, num_comm, None, _count_consumer, _count_storer, _count_communicator, go)
+def _count_finisher(G, C):
+    tl.atomic_add(G.finished, 1)
 
 
-@pytest.mark.parametrize("flag, given", [(0, True), (1, True), (1, False)])
-def test_go_gates_storers_and_communicators(flag, given):
-    """`go` false: every consumer still runs once per task, but no storer and no communicator does; no `go`:
-    everything runs."""
-    from parallelkittens.runtime.context import interpreting
+@triton.jit(do_not_specialize=["num_comm", "rank"])
+def _verdict_kernel(consumed_ptr, stored_ptr, communicated_ptr, finished_ptr, num_tasks, num_comm, meet_counters,
+                    meet_slots, meet_handle, sig, rank, world):
+    call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
+    G = Counts(consumed_ptr, stored_ptr, communicated_ptr, finished_ptr)
+    lcsc(G, (1,), num_tasks, num_tasks, num_comm, None, _count_consumer, _count_storer, _count_communicator, call,
+         _count_finisher)
 
-    device = "cpu" if interpreting() else "cuda"
-    tasks, num_comm = 7, 2
-    counts = [torch.zeros(tasks, dtype=torch.int32, device=device) for _ in range(3)]
-    flags = torch.tensor([flag], dtype=torch.int32, device=device)
-    _go_kernel[grid(tasks, num_comm, max_programs=5)](*counts, flags, tasks, num_comm, GO=given)
-    runs = 1 if flag == 0 or not given else 0
-    assert counts[0].tolist() == [1] * tasks
-    assert counts[1].tolist() == [runs] * tasks, counts[1].tolist()
-    assert counts[2].tolist() == [runs] * tasks, counts[2].tolist()
+
+def _verdicts() -> list[list[int]]:
+    ctx = pk.context()
+    tasks, num_comm, rows = 7, 2, []
+    for same in (True, False, True):  # agree, disagree, agree again: the counters recover
+        counts = [torch.zeros(tasks, dtype=torch.int32, device=ctx.device) for _ in range(3)]
+        finished = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        sig = meeting.signature("verdict test", 1 if same else ctx.rank)
+        _verdict_kernel[grid(tasks, num_comm, max_programs=5)](*counts, finished, tasks, num_comm,
+                                                              **meeting.meeting().args(sig))
+        rows.append([c.tolist() for c in counts] + [finished.tolist()])
+        try:
+            pk.sync()
+        except pk.MismatchError:
+            rows[-1].append("MismatchError")
+    return rows
+
+
+@pytest.mark.parametrize("world", worlds("1,2,3"))
+def test_the_verdict_gates_storers_and_communicators(world):
+    """Ranks that disagree: every consumer still runs once per task, but no storer and no communicator does, and
+    `pk.sync()` raises MismatchError; ranks that agree run everything. The finisher runs once per rank."""
+    tasks = 7
+    for rows in pk.spawn(_verdicts, world):
+        for call, row in enumerate(rows):
+            runs = 0 if call == 1 and world > 1 else 1
+            consumed, stored, communicated, finished = row[:4]
+            assert consumed == [1] * tasks and finished == [1], row
+            assert stored == [runs] * tasks and communicated == [runs] * tasks, (call, row)
+            assert (row[4:] == ["MismatchError"]) == (runs == 0), row

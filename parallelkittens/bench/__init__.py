@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from .collectives import bench_collective, plot
 from .fused import bench_fused, plot_fused
+from .host import bench_host
 from .matmul import bench_matmul
 from .runtime import bench_p2p, bench_runtime
 
@@ -38,6 +39,7 @@ def _fused(name: str) -> Callable[[], dict]:
 
 BENCHMARKS: dict[str, Callable[[], dict]] = {
     "runtime": bench_runtime,
+    "host": bench_host,
     "p2p": bench_p2p,
     "matmul": bench_matmul,
     **{name: _collective(name) for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")},

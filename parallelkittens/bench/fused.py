@@ -1,9 +1,11 @@
 """Fused GEMM + communication benchmarks: TFLOP/s per GPU for ours, torch.matmul + the torch.distributed
 collective, and torch's fused_all_gather_matmul / fused_matmul_reduce_scatter where they run, over the paper's
 sweep (local shapes for W ranks: all-gather + GEMM N x N/W x N; the others N x N x N/W), plus a sweep of
-num_comm_sms at the largest N. At one rank the baseline that matters is our own GEMM on the same shape (issue
-4: each fused op within 1.03x of it). Times are back to back (`_timeit`); up to N = 8192 also from CUDA graphs
-(`vs_our_gemm_graph`: device time alone, where back-to-back calls of small shapes show the host's time)."""
+num_comm_sms at the largest N. At one rank the baseline that matters is our own GEMM on the same shape (the
+goal: each fused op within 1.03x of it). Times are back to back (`_timeit`); up to N = 8192 also from CUDA graphs
+(`vs_our_gemm_graph`: device time alone, where back-to-back calls of small shapes show the host's time). Each
+shape's result is checked against a float64 reference before it is timed, and outputs are allocated before the
+timed region (ours write into `out=`)."""
 
 from __future__ import annotations
 
@@ -58,8 +60,24 @@ def _torch_fused(op: str, a: torch.Tensor, b: torch.Tensor):
         return None
 
 
+def _reference(op: str, a: torch.Tensor, b: torch.Tensor, world: int) -> torch.Tensor:
+    """This rank's result in float64, through torch.distributed."""
+    if op == "all_gather_matmul":
+        full = torch.empty(a.shape[0] * world, a.shape[1], dtype=a.dtype, device=a.device)
+        dist.all_gather_into_tensor(full, a)
+        return full.double() @ b.double()
+    partial = a.double() @ b.double()
+    if op == "matmul_all_reduce":
+        dist.all_reduce(partial)
+        return partial
+    out = torch.empty(partial.shape[0] // world, partial.shape[1], dtype=partial.dtype, device=partial.device)
+    dist.reduce_scatter_tensor(out, partial)
+    return out
+
+
 def _rank(op: str) -> list[dict]:
     import parallelkittens as pk
+    from parallelkittens.testing import check_close
 
     from ..ops import all_gather_matmul, matmul, matmul_all_reduce, matmul_reduce_scatter
 
@@ -75,9 +93,13 @@ def _rank(op: str) -> list[dict]:
         b = torch.randn(k2, n2, device=ctx.device, dtype=torch.bfloat16)
         flops = 2 * (m * world if op == "all_gather_matmul" else m) * k * n2  # per GPU
         nbytes = flops // 1000  # only sets the iteration count
-        row = {"N": n, "a": [m, k], "b": [k2, n2], "ours_ms": _timeit(lambda: ops[op](a, b), nbytes)}  # noqa: B023
-        row["our_gemm_ms"] = _timeit(lambda: matmul(a, b), nbytes) if op != "all_gather_matmul" else \
-            _timeit(lambda: matmul(torch.empty(m * world, k, device=a.device, dtype=a.dtype), b), nbytes)  # noqa: B023
+        out = ops[op](a, b)
+        check = check_close(op, out, _reference(op, a, b, world), torch.bfloat16, "gemm") or "ok"
+        full = torch.empty(m * world, k, device=a.device, dtype=a.dtype) if op == "all_gather_matmul" else a
+        gemm_out = torch.empty(full.shape[0], n2, device=a.device, dtype=a.dtype)
+        row = {"N": n, "a": [m, k], "b": [k2, n2], "check": check, "pass": check == "ok",
+               "ours_ms": _timeit(lambda: ops[op](a, b, out=out), nbytes)}  # noqa: B023
+        row["our_gemm_ms"] = _timeit(lambda: matmul(full, b, out=gemm_out), nbytes)  # noqa: B023
         row["torch_matmul_plus_dist_ms"] = _timeit(_baseline(op, a, b, world), nbytes)
         fused = _torch_fused(op, a, b)
         row["torch_fused_ms"] = _timeit(fused, nbytes) if fused else None
@@ -86,7 +108,6 @@ def _rank(op: str) -> list[dict]:
         row["vs_torch"] = row["torch_matmul_plus_dist_ms"] / row["ours_ms"]
         row["vs_our_gemm"] = row["ours_ms"] / row["our_gemm_ms"]
         if n <= 8192:  # device time alone, from CUDA graphs: where the host's time per call shows back to back
-            full = torch.empty(m * world, k, device=a.device, dtype=a.dtype) if op == "all_gather_matmul" else a
             row["ours_graph_ms"] = _graph_ms(lambda: ops[op](a, b), 10)  # noqa: B023
             row["our_gemm_graph_ms"] = _graph_ms(lambda: matmul(full, b), 10)  # noqa: B023
             if row["ours_graph_ms"] and row["our_gemm_graph_ms"]:

@@ -1,6 +1,6 @@
 """Runtime ceilings at one rank: the peer write path against torch's copy, and a barrier round trip.
 
-Goals (issue 2): the peer path reaches at least 90% of `copy_` bandwidth into a second 1 GiB bf16 buffer;
+Goals: the peer path reaches at least 90% of `copy_` bandwidth into a second 1 GiB bf16 buffer;
 `barrier_all` at one rank costs at most 10 µs. Both paths are measured: register stores through the pointer
 table (`pkl.store`) and tensor-descriptor (TMA) stores to the peer's buffer (`pkl.peer_descriptor`).
 """
@@ -88,7 +88,7 @@ def _p2p_rank() -> dict:
 
 
 def bench_p2p() -> dict:
-    """Peer-to-peer bandwidth between two GPUs (issue 5's interconnect note): torch copy_ beside our paths."""
+    """Peer-to-peer bandwidth between two GPUs : torch copy_ beside our paths."""
     import parallelkittens as pk
 
     if torch.cuda.device_count() < 2:

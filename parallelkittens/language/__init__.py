@@ -6,9 +6,9 @@ kernel). Handle fields: `rank`, `world_size`.
 """
 
 from .peer import all_reduce, load, peer_descriptor, rank, reduce, store, store_add, translate, world_size
-from .signals import DEBUG, arrive, barrier_all, signal, signal_all, wait, wait_at_least
+from .signals import arrive, barrier_all, signal, signal_all, wait, wait_at_least
 
 __all__ = [
-    "DEBUG", "all_reduce", "arrive", "barrier_all", "load", "peer_descriptor", "rank", "reduce", "signal", "signal_all",
+    "all_reduce", "arrive", "barrier_all", "load", "peer_descriptor", "rank", "reduce", "signal", "signal_all",
     "store", "store_add", "translate", "wait", "wait_at_least", "world_size",
 ]

@@ -16,8 +16,9 @@ and `all_reduce`; it is never enabled on our machines, so it is not written.
 import triton
 import triton.language as tl
 
-# layout of ParallelTensor.handle (runtime.memory)
-_RANK, _WORLD, _BASES = tl.constexpr(0), tl.constexpr(1), tl.constexpr(4)
+from ..runtime import handle as _handle
+
+_RANK, _WORLD, _BASES = tl.constexpr(_handle.RANK), tl.constexpr(_handle.WORLD), tl.constexpr(_handle.BASES)
 
 
 @triton.jit

@@ -6,15 +6,15 @@ changes: each thread waits for its bulk copies and runs ``fence.acq_rel.sys``, t
 then one thread adds with release semantics at system scope. `wait` polls with ``ld.acquire.sys``, so what the
 signaller wrote before signalling is visible to every thread of the waiting program after it returns.
 
-Bounded waits. With PK_DEBUG=1 (read when this module is imported) every wait gives up after the counter's
-`wait_timeout_s` (PK_WAIT_TIMEOUT, default 10 s), records rank, counter address, value seen and value expected
-in the rank's debug record, and returns; `pk.sync()` / `pk.check_errors()` raise `WaitTimeoutError`. Without
-PK_DEBUG the bound is compiled out: the hot path pays nothing.
+Bounded waits. Every wait gives up after the counter's handle says (PK_WAIT_TIMEOUT with PK_DEBUG=1, else
+PK_TIMEOUT), records rank, counter address, value seen and value expected in the rank's debug record, and
+returns; `pk.sync()` / `pk.check_errors()` raise `WaitTimeoutError`. The clock is read only once a first poll
+has failed, so a wait whose counter is already there costs one load; a spinning one reads the clock at each
+poll, which is cheap beside a system-scope acquire load.
 
 Under Triton's interpreter the three inline-asm snippets below are emulated (`runtime.interpreter`).
 """
 
-import os
 import time
 
 import numpy as np
@@ -22,19 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..runtime import handle as _handle
 from ..runtime import interpreter
+from ..runtime.errors import RECORD_WAIT_TIMEOUT
 from .peer import translate, world_size
 
-DEBUG = tl.constexpr(os.environ.get("PK_DEBUG", "0") == "1")
-
-
-def set_debug(enabled: bool) -> None:
-    """Bound waits (or not) in kernels compiled from now on in this process; PK_DEBUG sets it at import.
-
-    `pk.spawn` calls it in each rank so PK_DEBUG in the caller's environment holds for ranks it forks.
-    """
-    global DEBUG
-    DEBUG = tl.constexpr(bool(enabled))
+_TIMEOUT, _RECORD = tl.constexpr(_handle.WAIT_TIMEOUT_NS), tl.constexpr(_handle.DEBUG_RECORD)
+_KIND_TIMEOUT = tl.constexpr(RECORD_WAIT_TIMEOUT)
 
 
 def _bulk_copies_exist() -> bool:
@@ -88,28 +82,25 @@ def _reached(seen, value, AT_LEAST: tl.constexpr):
 
 @triton.jit
 def _report_timeout(ptr, h, seen, value):
-    record = tl.load(h + 2).to(tl.pointer_type(tl.int64))
-    if tl.atomic_cas(record, tl.full([], 0, tl.int64), tl.full([], 1, tl.int64)) == 0:  # first timeout wins
+    record = tl.load(h + _RECORD).to(tl.pointer_type(tl.int64))
+    if tl.atomic_cas(record, tl.full([], 0, tl.int64), tl.full([], _KIND_TIMEOUT, tl.int64)) == 0:  # first wins
         tl.store(record + 1, tl.load(h))
         tl.store(record + 2, ptr.to(tl.int64, bitcast=True))
         tl.store(record + 3, tl.cast(seen, tl.int64))
         tl.store(record + 4, tl.cast(value, tl.int64))
         tl.store(record + 5, tl.program_id(0).to(tl.int64))
-        tl.store(record + 6, tl.load(h + 3))
+        tl.store(record + 6, tl.load(h + _TIMEOUT))
 
 
 @triton.jit
 def _wait(ptr, value, h, AT_LEAST: tl.constexpr):
     seen = _load_acquire(ptr)
-    if DEBUG:
-        deadline = _now_ns() + tl.load(h + 3)
+    if not _reached(seen, value, AT_LEAST):  # the clock only once the counter is not there yet
+        deadline = _now_ns() + tl.load(h + _TIMEOUT)
         while (not _reached(seen, value, AT_LEAST)) and (_now_ns() < deadline):
             seen = _load_acquire(ptr)
         if not _reached(seen, value, AT_LEAST):
             _report_timeout(ptr, h, seen, value)
-    else:
-        while not _reached(seen, value, AT_LEAST):
-            seen = _load_acquire(ptr)
     tl.inline_asm_elementwise(ACQUIRE_PROXY_FENCE, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 

@@ -1,14 +1,16 @@
-"""Ops built on the primitives and the template, one module each."""
+"""Ops built on the primitives and the template, one module each, grouped by family: `collectives` (all_reduce,
+all_gather, reduce_scatter, all_to_all, barrier) and `gemm` (matmul and the fused GEMMs). Every op runs through a
+plan built once per call signature (`ops/plan.py`); ``pk.ops.<op>.plan(...)`` hands it out."""
 
-from .all_gather import all_gather
-from .all_gather_matmul import all_gather_matmul
-from .all_reduce import all_reduce
-from .all_to_all import all_to_all
-from .barrier import barrier
-from .matmul import matmul
-from .matmul_all_reduce import matmul_all_reduce
-from .matmul_reduce_scatter import matmul_reduce_scatter
-from .reduce_scatter import reduce_scatter
+from .collectives.all_gather import all_gather
+from .collectives.all_reduce import all_reduce
+from .collectives.all_to_all import all_to_all
+from .collectives.barrier import barrier
+from .collectives.reduce_scatter import reduce_scatter
+from .gemm.all_gather_matmul import all_gather_matmul
+from .gemm.matmul import MatmulConfig, matmul
+from .gemm.matmul_all_reduce import matmul_all_reduce
+from .gemm.matmul_reduce_scatter import matmul_reduce_scatter
 
-__all__ = ["all_gather", "all_gather_matmul", "all_reduce", "all_to_all", "barrier", "matmul", "matmul_all_reduce",
-           "matmul_reduce_scatter", "reduce_scatter"]
+__all__ = ["MatmulConfig", "all_gather", "all_gather_matmul", "all_reduce", "all_to_all", "barrier", "matmul",
+           "matmul_all_reduce", "matmul_reduce_scatter", "reduce_scatter"]

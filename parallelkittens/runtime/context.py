@@ -16,24 +16,24 @@ Backends:
 from __future__ import annotations
 
 import atexit
+import collections
 import datetime
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from .errors import MismatchError, PKError, WaitTimeoutError, error_from_record
+from .errors import MismatchError, PKError
+from .settings import Settings
 
 BACKENDS = ("cuda", "cuda-shared", "cpu")
 
 # NVLink multicast (NVLS) can take a shared host's GPUs out of service; nothing here uses it, and nothing we
 # start may turn it on.
-_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-DEFAULT_JOIN_TIMEOUT_S = 60.0
-DEFAULT_WAIT_TIMEOUT_S = 10.0
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass
@@ -42,7 +42,8 @@ class Context:
 
     `rank`/`world_size` are global; `local_rank`/`local_world_size` count the ranks of this node, which are
     the peers of every parallel tensor. `group` carries data (NCCL on ``cuda``, gloo otherwise); `cpu_group`
-    (gloo) carries control messages; `node_group` (gloo) is the node's ranks.
+    (gloo) carries control messages; `node_group` (gloo) is the node's ranks. `settings` holds the PK_*
+    variables, the same on every rank.
     """
 
     rank: int
@@ -54,13 +55,15 @@ class Context:
     group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
     node_group: dist.ProcessGroup
-    debug: bool
-    wait_timeout_s: float
+    settings: Settings
     job_id: str
     debug_record: torch.Tensor = field(repr=False)
-    _barrier: object = field(default=None, repr=False)
-    # What ops keep between calls (workspaces, symmetric buffers): it dies with the context.
+    # What ops keep between calls (plans, the symmetric heap): it dies with the context.
+    plans: dict = field(default_factory=dict, repr=False)
     cache: dict = field(default_factory=dict, repr=False)
+    # How often the expensive host steps ran: plans built, host agreements, tunings, symmetric allocations.
+    stats: collections.Counter = field(default_factory=collections.Counter, repr=False)
+    _finalizers: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
     def node_rank(self) -> int:
@@ -71,6 +74,15 @@ class Context:
     def num_nodes(self) -> int:
         """Number of nodes in the world."""
         return self.world_size // self.local_world_size
+
+    @property
+    def debug(self) -> bool:
+        """PK_DEBUG: waits give up after PK_WAIT_TIMEOUT seconds."""
+        return self.settings.debug
+
+    def on_finalize(self, fn: Callable[[], None]) -> None:
+        """Run `fn` when the context ends (modules above the context free what they made through it)."""
+        self._finalizers.append(fn)
 
 
 _CTX: Context | None = None
@@ -97,10 +109,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def choose_backend(local_world_size: int, requested: str | None = None) -> str:
+def choose_backend(local_world_size: int, requested: str | None = None, settings: Settings | None = None) -> str:
     """The backend for `local_world_size` ranks on this machine: `requested`, else PK_BACKEND, else the best
     that runs (a GPU per rank, else ranks sharing a GPU, else the CPU interpreter)."""
-    name = requested or os.environ.get("PK_BACKEND") or None
+    name = requested or (settings or Settings.from_env()).backend
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if name is None:
         name = "cpu" if gpus == 0 or interpreting() else ("cuda" if gpus >= local_world_size else "cuda-shared")
@@ -161,15 +173,15 @@ def init(backend: str | None = None, *, join_timeout: float | None = None) -> Co
 
     Works in a process started by torchrun or `pk.spawn`, and in a lone process (a world of one).
     `backend` (or PK_BACKEND) picks ``cuda``, ``cuda-shared`` or ``cpu``; by default the best one that runs.
-    `join_timeout` (seconds; PK_JOIN_TIMEOUT) bounds the wait for every rank to join.
+    `join_timeout` (seconds; PK_JOIN_TIMEOUT) bounds the wait for every rank to join. The PK_* variables are
+    read here, once (`Settings`); ranks that read different values fail here, on every rank.
     """
     global _CTX
     if _CTX is not None:
         if backend is not None and backend != _CTX.backend:
             raise PKError(f"pk.init(backend={backend!r}) after this rank already initialised as {_CTX.backend!r}")
         return _CTX
-    from ..language import signals
-
+    settings = Settings.from_env()
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -180,11 +192,11 @@ def init(backend: str | None = None, *, join_timeout: float | None = None) -> Co
     if world_size % local_world_size or rank % local_world_size != local_rank:
         raise PKError(f"rank {rank}: ranks must be laid out node by node with {local_world_size} per node "
                       f"(LOCAL_RANK={local_rank}, WORLD_SIZE={world_size})")
-    join_timeout = join_timeout or float(os.environ.get("PK_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT_S))
-    name = choose_backend(local_world_size, backend)
+    join_timeout = join_timeout or settings.join_timeout_s
+    name = choose_backend(local_world_size, backend, settings)
 
     if name != "cpu":
-        for key, value in _MULTICAST_OFF.items():
+        for key, value in MULTICAST_OFF.items():
             os.environ[key] = value
         if name == "cuda-shared":
             os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
@@ -215,23 +227,23 @@ def init(backend: str | None = None, *, join_timeout: float | None = None) -> Co
                 node_group = group
 
     # Every rank must agree on how the job runs; say so on every rank if not.
-    mine = (name, local_world_size, bool(signals.DEBUG), device.type)
+    mine = (name, local_world_size, device.type, settings.shared())
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, mine, group=cpu_group)
     if any(other != mine for other in everyone):
-        rows = ", ".join(f"rank {r}: {e}" for r, e in enumerate(everyone))
+        differ = [r for r, e in enumerate(everyone) if e != everyone[0]]
+        rows = "; ".join(f"rank {r}: {_describe_setup(everyone[r], everyone[0])}" for r in [0] + differ)
         dist.destroy_process_group()
-        raise PKError(f"ranks disagree on (backend, local world size, PK_DEBUG, device type): {rows}")
+        raise PKError(f"ranks disagree on how the job runs (backend, local world size, device type, PK_* "
+                      f"settings): {rows}")
 
-    job_id = os.environ.get("PK_JOB_ID") or f"{os.getpid()}"
     ids: list = [None]
     if rank == 0:
-        ids = [job_id]
+        ids = [settings.job_id or f"{os.getpid()}"]
     dist.broadcast_object_list(ids, src=0, group=cpu_group)
     _CTX = Context(
         rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size, device=device,
-        backend=name, group=world, cpu_group=cpu_group, node_group=node_group, debug=bool(signals.DEBUG),
-        wait_timeout_s=float(os.environ.get("PK_WAIT_TIMEOUT", DEFAULT_WAIT_TIMEOUT_S)), job_id=ids[0],
+        backend=name, group=world, cpu_group=cpu_group, node_group=node_group, settings=settings, job_id=ids[0],
         debug_record=torch.zeros(8, dtype=torch.int64, device=device),
     )
     if device.type == "cuda":
@@ -240,6 +252,13 @@ def init(backend: str | None = None, *, join_timeout: float | None = None) -> Co
         interpreter.register_buffer(_CTX.debug_record)  # kernels reach it through the handle, not an argument
     atexit.register(finalize)
     return _CTX
+
+
+def _describe_setup(setup: tuple, reference: tuple) -> str:
+    """A rank's (backend, local world, device type, settings), showing only the settings that differ."""
+    name, local, device, settings = setup
+    differ = [f"{k}={v!r}" for (k, v), (_, ref) in zip(settings, reference[3], strict=True) if v != ref]
+    return f"{name}, {local} local rank(s), {device}" + (f", {', '.join(differ)}" if differ else "")
 
 
 def _install_triton_allocator() -> None:
@@ -274,34 +293,22 @@ def is_initialized() -> bool:
     return _CTX is not None
 
 
-def check_errors() -> None:
-    """Raise what a kernel of this rank recorded: `WaitTimeoutError` for a bounded wait that gave up
-    (PK_DEBUG=1), `MismatchError` for a collective whose ranks disagreed. Synchronises with the device."""
-    ctx = context()
-    record = ctx.debug_record.tolist()
-    if record[0] != 0:
-        ctx.debug_record.zero_()
-        raise error_from_record(record)
+def exchange(step: str, payload: object, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank of the node's `payload` (host, collective), checked to come from the same `step`.
 
-
-def sync() -> None:
-    """Wait for this rank's device work, then for every rank. An error a kernel recorded on any rank (a wait
-    that timed out, a collective called differently) raises on every rank."""
+    Host steps meet through gloo in call order, so a rank at one step (building a plan, say) would otherwise
+    read what a rank at another step (`pk.sync()`) sent; here that is a `MismatchError` naming each rank's step.
+    """
     ctx = context()
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-    error = None
-    try:
-        check_errors()
-    except PKError as e:
-        error = e
-    errors: list = [None] * ctx.world_size
-    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)),
-                           group=ctx.cpu_group)
-    found = [e for e in errors if e is not None]
-    if found:
-        kind = MismatchError if any(name == "MismatchError" for name, _ in found) else WaitTimeoutError
-        raise kind("; ".join(message for _, message in found))
+    group = group or ctx.node_group
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (step, payload), group=group)
+    steps = [s for s, _ in everyone]
+    if any(s != step for s in steps):
+        rows = "; ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+        raise MismatchError(f"rank {ctx.rank}: ranks are at different steps of the job ({rows}): they called "
+                            "different ops, or the same op with different arguments, in different orders")
+    return [p for _, p in everyone]
 
 
 def finalize() -> None:
@@ -309,12 +316,10 @@ def finalize() -> None:
     global _CTX
     if _CTX is None:
         return
-    from . import launch
-    from .memory import _free_all
-
-    _CTX.cache.clear()
-    launch._compiled.clear()  # keyed by calls whose values (world size, rank) a new context may change
-    _free_all()
-    _CTX = None
+    ctx, _CTX = _CTX, None
+    ctx.plans.clear()
+    ctx.cache.clear()
+    for fn in reversed(ctx._finalizers):
+        fn()
     if dist.is_initialized():
         dist.destroy_process_group()

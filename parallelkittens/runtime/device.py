@@ -1,7 +1,6 @@
 """Facts about this rank's device that kernels are sized by."""
 
 import functools
-import os
 
 import torch
 
@@ -22,7 +21,7 @@ def num_sms() -> int:
     ctx = context()
     if ctx.device.type == "cuda":
         return _cuda_share(ctx.device.index, ctx.backend, ctx.local_world_size)
-    return int(os.environ.get("PK_INTERPRET_SMS", "4"))
+    return ctx.settings.interpret_sms
 
 
 @functools.cache  # called on every GEMM launch: ask the driver once

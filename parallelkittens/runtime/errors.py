@@ -2,48 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class PKError(RuntimeError):
     """A misuse or a failure of the runtime, reported on the rank where it was found."""
 
 
 class WaitTimeoutError(PKError):
-    """A bounded wait (PK_DEBUG=1) gave up: a counter never reached the value a kernel waited for."""
-
-    @classmethod
-    def from_record(cls, record: list[int]) -> WaitTimeoutError:
-        """Build the message from a kernel's debug record:
-        [flag, rank, address, seen, expected, program, timeout_ns]."""
-        from .memory import describe_address
-
-        _, rank, address, seen, expected, program, timeout_ns = record[:7]
-        timeout_s = timeout_ns / 1e9
-        where = describe_address(address)
-        return cls(
-            f"rank {rank}: wait on {where} timed out after {timeout_s:g} s in program {program}: "
-            f"saw {seen}, expected {expected}"
-        )
+    """A wait on a counter gave up (after PK_WAIT_TIMEOUT with PK_DEBUG=1, else PK_TIMEOUT): the counter never
+    reached the value a kernel waited for."""
 
 
 class MismatchError(PKError):
-    """Ranks called one collective with different shapes, dtypes or dimensions (found on the device)."""
+    """Ranks called an op with different shapes, dtypes or arguments, or were at different steps of the job."""
 
 
-# Collectives register a readable description for each signature they send, for MismatchError's message.
+# What ops register for each call signature they send to the device, for MismatchError's message.
 SIGNATURES: dict[int, str] = {}
 
+# The kinds of a kernel's debug record: [kind, rank, a, b, c, program, d]
+RECORD_WAIT_TIMEOUT = 1  # a = counter address, b = seen, c = expected, d = timeout in ns
+RECORD_MISMATCH = 2  # b = a peer's signature, c = this rank's
 
-def error_from_record(record: list[int]) -> PKError:
-    """The exception a kernel's debug record describes: [kind, rank, a, b, c, program, d]; kind 1 is a wait
-    that timed out (a = counter address, b = seen, c = expected, d = timeout ns), kind 2 a collective whose
-    ranks disagreed (b = a peer's signature, c = this rank's)."""
-    if record[0] == 2:
-        _, rank, _, theirs, mine, _, _ = record[:7]
+
+def error_from_record(record: list[int], describe: Callable[[int], str]) -> PKError:
+    """The exception a kernel's debug record describes; `describe` names a counter's address."""
+    kind, rank, address, b, c, program, d = record[:7]
+    if kind == RECORD_MISMATCH:
         return MismatchError(
-            f"rank {rank}: ranks disagree on a collective: this rank called "
-            f"{SIGNATURES.get(mine, f'signature {mine}')}, another rank "
-            f"{SIGNATURES.get(theirs, 'something else (another shape, dtype or dimension)')}")
-    return WaitTimeoutError.from_record(record)
+            f"rank {rank}: ranks disagree on a call: this rank called {SIGNATURES.get(c, f'signature {c}')}, "
+            f"another rank {SIGNATURES.get(b, 'something else (another op, shape, dtype or argument)')}")
+    return WaitTimeoutError(f"rank {rank}: wait on {describe(address)} timed out after {d / 1e9:g} s in program "
+                            f"{program}: saw {b}, expected {c}")
 
 
 class RankError(PKError):

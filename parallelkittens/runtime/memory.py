@@ -13,9 +13,8 @@ How peer memory is shared:
   rank maps every file, and once all have mapped them each owner unlinks its file. From then on only the
   mappings exist, and they vanish with the processes, even after a crash.
 
-A kernel receives `ParallelTensor.handle`: an int64 tensor on the rank's device laid out as
-``[rank, world_size, debug_record_address, wait_timeout_ns, base_0, ..., base_{W-1}]``, where base_r is the
-address of rank r's buffer in this process. The language module reads it; nothing else should.
+A kernel receives `ParallelTensor.handle`, laid out as `runtime/handle.py` says: rank, world size, where
+waits record errors, how long they wait, and every rank's base address.
 """
 
 from __future__ import annotations
@@ -30,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from . import context as _context
+from . import handle as _handle
+from . import interpreter
 from .errors import PKError
 
-HANDLE_RANK, HANDLE_WORLD, HANDLE_DEBUG, HANDLE_TIMEOUT, HANDLE_BASES = 0, 1, 2, 3, 4
 _ALIGN = 128  # bytes: keeps tensor descriptors (16 B) and wide vector accesses aligned
 _SHM_DIR = "/dev/shm"
 
@@ -63,9 +63,9 @@ class ParallelTensor:
         self.world_size = len(peers)
         self.name = name
         self._keepalive = keepalive
-        header = [rank, self.world_size, ctx.debug_record.data_ptr(), int(ctx.wait_timeout_s * 1e9)]
-        self.handle = torch.tensor(header + bases, dtype=torch.int64, device=local.device)
-        self.ptrs = self.handle[HANDLE_BASES:]
+        self.handle = _handle.make(rank, bases, ctx.debug_record.data_ptr(), int(ctx.settings.wait_bound_s * 1e9),
+                                   local.device)
+        self.ptrs = self.handle[_handle.BASES:]
         self._bases = bases
         _live.add(self)
         _by_address[self.local.data_ptr()] = self
@@ -94,8 +94,9 @@ class ParallelTensor:
         return self._peers[r]
 
     def set_wait_timeout(self, seconds: float) -> None:
-        """Bound each wait on this tensor's counters by `seconds` (only with PK_DEBUG=1; default PK_WAIT_TIMEOUT)."""
-        self.handle[HANDLE_TIMEOUT] = int(seconds * 1e9)
+        """Bound each wait on this tensor's counters by `seconds` (default PK_WAIT_TIMEOUT with PK_DEBUG=1, else
+        PK_TIMEOUT)."""
+        self.handle[_handle.WAIT_TIMEOUT_NS] = int(seconds * 1e9)
 
     def free(self) -> None:
         """Release this buffer on every rank (collective: every rank frees its parallel tensors in the same
@@ -112,8 +113,6 @@ class ParallelTensor:
         if self._peers is None:
             return
         if self.device.type == "cpu":
-            from . import interpreter
-
             for t in self._peers:
                 interpreter.unregister_buffer(t)
         if _by_address.get(self.local.data_ptr()) is self:
@@ -172,8 +171,7 @@ def _validate(shape: Sequence[int] | int, dtype: torch.dtype) -> tuple[int, ...]
 def _agree(ctx: _context.Context, seq: int, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
     """Every rank must ask for the same buffer in the same order; otherwise all of them raise, naming each ask."""
     mine = (seq, shape, str(dtype), name)
-    everyone: list = [None] * ctx.local_world_size
-    dist.all_gather_object(everyone, mine, group=ctx.node_group)
+    everyone = _context.exchange("allocating a parallel tensor", mine)
     if any(e != mine for e in everyone):
         asks = "; ".join(f"rank {r}: #{e[0]} {e[3]!r} {e[1]} {e[2]}" for r, e in enumerate(everyone))
         raise PKError(f"ranks asked for different parallel tensors (allocation #, name, shape, dtype): {asks}")
@@ -190,8 +188,6 @@ def _view(raw: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torc
 
 
 def _allocate_cpu(ctx: _context.Context, seq: int, shape, dtype, name: str) -> ParallelTensor:
-    from . import interpreter
-
     nbytes = _nbytes(shape, dtype)
     path = os.path.join(_SHM_DIR, f"{shm_prefix(ctx.job_id)}{ctx.rank}-{seq}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -245,6 +241,9 @@ def empty(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32, *, nam
     seq = next(_sequence)
     name = name or f"buffer{seq}"
     _agree(ctx, seq, shape, dtype, name)
+    ctx.stats["allocations"] += 1
+    if _free_all not in ctx._finalizers:
+        ctx.on_finalize(_free_all)
     if ctx.device.type == "cpu":
         return _allocate_cpu(ctx, seq, shape, dtype, name)
     return _allocate_cuda(ctx, shape, dtype, name)

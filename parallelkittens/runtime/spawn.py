@@ -25,8 +25,8 @@ import torch.distributed
 from . import context as _context
 from .errors import PKError, RankError
 from .memory import _SHM_DIR, shm_prefix
+from .settings import Settings
 
-DEFAULT_TIMEOUT_S = 300.0
 _GRACE_S = 1.0  # after the first failure, how long other ranks may take to report their own errors
 
 
@@ -43,14 +43,16 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _rank_main(fn: Callable, args: tuple, rank: int, env: dict[str, str], conn, parent_pid: int) -> None:
+def _rank_main(fn: Callable, args: tuple, rank: int, env: dict[str, str], conn, parent_pid: int, forked: bool
+               ) -> None:
     _die_with_parent(parent_pid)
     os.environ.update(env)
     _context._CTX = None  # a forked rank must not inherit a context
+    if forked:
+        # A forked child cannot use the OpenMP thread pool its parent started (its first parallel op, a zero_()
+        # of 1 MiB say, hangs); with one thread torch runs every op inline and never touches that pool.
+        torch.set_num_threads(1)
     try:
-        from ..language import signals
-
-        signals.set_debug(os.environ.get("PK_DEBUG", "0") == "1")
         _context.init()
         result = fn(*args)
         payload = ("ok", result)
@@ -101,8 +103,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
         pickle.dumps((fn, args))
     except Exception as e:
         raise PKError(f"pk.spawn cannot send fn and args to the ranks: {e}") from None
-    name = _context.choose_backend(world_size, backend)
-    timeout = timeout if timeout is not None else float(os.environ.get("PK_SPAWN_TIMEOUT", DEFAULT_TIMEOUT_S))
+    settings = Settings.from_env()
+    name = _context.choose_backend(world_size, backend, settings)
+    timeout = timeout if timeout is not None else settings.spawn_timeout_s
     job_id = uuid.uuid4().hex[:12]
     port = _context._free_port()
     mpc = mp.get_context(_start_method(name))
@@ -113,12 +116,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
                 "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "PK_BACKEND": name, "PK_JOB_ID": job_id,
-                "PK_JOIN_TIMEOUT": os.environ.get("PK_JOIN_TIMEOUT", str(min(timeout, 60.0))),
+                "PK_JOIN_TIMEOUT": str(min(timeout, settings.join_timeout_s)),
             }
             parent_conn, child_conn = mpc.Pipe(duplex=False)
-            proc = mpc.Process(target=_rank_main, args=(fn, args, rank, env, child_conn, os.getpid()),
-                               daemon=True,
-                               name=f"pk-rank-{rank}")
+            proc = mpc.Process(target=_rank_main, daemon=True, name=f"pk-rank-{rank}",
+                               args=(fn, args, rank, env, child_conn, os.getpid(), mpc.get_start_method() == "fork"))
             proc.start()
             child_conn.close()
             procs.append(proc)

@@ -3,13 +3,16 @@
 Each rank holds x, (M, N). Compute workers take one (BM, BN) tile of x per task: the loader reads it, the
 consumer scales it, the storer writes it into this rank's row block of the output and signals a local
 per-tile flag. Communicators take the same tiles as communication tasks: each waits for its tile's flag,
-pushes the tile into every peer's output and bumps that peer's arrival counter. A one-program kernel then
-waits until all (W - 1) * tiles pushes from peers have arrived, resets the counter and passes a barrier, so
-the next call can reuse every buffer. The multi-GPU part is the storer's signal and the communicator, about a
-dozen lines on top of a single-GPU scale kernel. See docs/template.md for a walk through it.
+pushes the tile into every peer's output and bumps that peer's arrival counter. The last program of the rank
+to finish waits until all (W - 1) * tiles pushes from peers have arrived and resets the counter, so the next
+call can reuse every buffer. The multi-GPU part is the storer's signal, the communicator and the finisher,
+about a dozen lines on top of a single-GPU scale kernel; the meeting (`template/meeting.py`) orders calls and
+checks that the ranks agree. See docs/template.md for a walk through it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -18,8 +21,11 @@ import triton.language as tl
 from .. import language as pkl
 from ..runtime.context import context
 from ..runtime.errors import PKError
-from ..runtime.memory import ParallelTensor, empty, zeros
+from ..runtime.heap import heap
+from ..runtime.launch import Launcher
+from ..runtime.memory import ParallelTensor, empty
 from ..runtime.sizes import cdiv
+from . import meeting
 from .lcsc import grid, lcsc
 
 
@@ -28,102 +34,115 @@ def reference_scaled_all_gather(shards: list[torch.Tensor], alpha: float) -> tor
     return torch.cat([alpha * s.double() for s in shards], dim=0)
 
 
+class Args(NamedTuple):
+    x_ptr: object
+    out_ptr: object
+    out_handle: object
+    flags_ptr: object  # [tasks) per-tile ready flags, then the arrival counter
+    flags_handle: object
+    alpha: object
+    M: object
+    N: object
+    num_tasks: object
+    rank: object
+    world: object
+
+
+class Tiles(NamedTuple):
+    BM: tl.constexpr
+    BN: tl.constexpr
+
+
 @triton.jit
 def _tile(G, C, task):
-    M, N = G[6], G[7]
-    tiles_n = tl.cdiv(N, C[1])  # C = (BM, BN)
-    offs_m = (task // tiles_n) * C[0] + tl.arange(0, C[0])
-    offs_n = (task % tiles_n) * C[1] + tl.arange(0, C[1])
-    return offs_m, offs_n, (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tiles_n = tl.cdiv(G.N, C.BN)
+    offs_m = (task // tiles_n) * C.BM + tl.arange(0, C.BM)
+    offs_n = (task % tiles_n) * C.BN + tl.arange(0, C.BN)
+    return offs_m, offs_n, (offs_m[:, None] < G.M) & (offs_n[None, :] < G.N)
 
 
 @triton.jit
 def _out_ptrs(G, C, task):
-    out_ptr, h, M, N = G[1], G[2], G[6], G[7]
     offs_m, offs_n, mask = _tile(G, C, task)
-    rows = pkl.rank(h) * M + offs_m  # this rank's row block of the gathered output
-    return out_ptr + rows[:, None] * N + offs_n[None, :], mask
+    rows = G.rank * G.M + offs_m  # this rank's row block of the gathered output
+    return G.out_ptr + rows[:, None] * G.N + offs_n[None, :], mask
 
 
 @triton.jit
 def _loader(G, C, task, k):
-    x_ptr, N = G[0], G[7]
     offs_m, offs_n, mask = _tile(G, C, task)
-    return tl.load(x_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask)
+    return tl.load(G.x_ptr + offs_m[:, None] * G.N + offs_n[None, :], mask=mask)
 
 
 @triton.jit
 def _consumer(G, C, task, loader):
     tile = loader(G, C, task, 0)
-    return (tile.to(tl.float32) * G[5]).to(tile.dtype)
+    return (tile.to(tl.float32) * G.alpha).to(tile.dtype)
 
 
 @triton.jit
 def _storer(G, C, task, tile):
-    flags_ptr, hc = G[3], G[4]
     ptrs, mask = _out_ptrs(G, C, task)
     tl.store(ptrs, tile, mask=mask)
-    pkl.signal(flags_ptr + task, hc, pkl.rank(hc))  # tile ready for this rank's communicators
+    pkl.signal(G.flags_ptr + task, G.flags_handle, G.rank)  # tile ready for this rank's communicators
 
 
 @triton.jit
 def _communicator(G, C, task):
-    h, flags_ptr, hc, num_tasks = G[2], G[3], G[4], G[8]
-    me = pkl.rank(h)
-    pkl.wait(flags_ptr + task, 1, hc)
-    tl.store(flags_ptr + task, 0)  # reset for the next call: only this rank's storer signals it
+    pkl.wait(G.flags_ptr + task, 1, G.flags_handle)
+    tl.store(G.flags_ptr + task, 0)  # reset for the next call: only this rank's storer signals it
     ptrs, mask = _out_ptrs(G, C, task)
     tile = tl.load(ptrs, mask=mask)
-    for i in range(1, pkl.world_size(h)):
-        peer = (me + i) % pkl.world_size(h)  # start at different peers so ranks do not all hit one link
-        pkl.store(ptrs, tile, h, peer, mask)
-        pkl.signal(flags_ptr + num_tasks, hc, peer)  # the arrival counter follows the per-tile flags
-
-
-@triton.jit(do_not_specialize=["num_comm"])
-def _scaled_all_gather_kernel(x_ptr, out_ptr, h, counters_ptr, hc, alpha, M, N, num_tasks,
-                              num_comm, BM: tl.constexpr, BN: tl.constexpr):
-    G = (x_ptr, out_ptr, h, counters_ptr, hc, alpha, M, N, num_tasks)
-    lcsc(G, (BM, BN), num_tasks, num_tasks, num_comm, _loader, _consumer, _storer, _communicator)
+    for i in range(1, G.world):
+        peer = (G.rank + i) % G.world  # start at different peers so ranks do not all hit one link
+        pkl.store(ptrs, tile, G.out_handle, peer, mask)
+        pkl.signal(G.flags_ptr + G.num_tasks, G.flags_handle, peer)  # the arrival counter follows the flags
 
 
 @triton.jit
-def _finish_kernel(counters_ptr, hc, num_tasks, expected):
-    arrived_ptr = counters_ptr + num_tasks
-    pkl.wait(arrived_ptr, expected, hc)
-    tl.store(arrived_ptr, 0)
-    pkl.barrier_all(arrived_ptr + 1, hc)
+def _finisher(G, C):
+    arrived = G.flags_ptr + G.num_tasks
+    pkl.wait(arrived, (G.world - 1) * G.num_tasks, G.flags_handle)  # every peer's tiles are in my output
+    tl.store(arrived, 0)
+
+
+@triton.jit(do_not_specialize=["num_comm", "rank"])
+def _scaled_all_gather_kernel(x_ptr, out_ptr, out_handle, flags_ptr, flags_handle, alpha, M, N, num_tasks, num_comm,
+                              meet_counters, meet_slots, meet_handle, sig, rank, world, BM: tl.constexpr,
+                              BN: tl.constexpr):
+    call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
+    G = Args(x_ptr, out_ptr, out_handle, flags_ptr, flags_handle, alpha, M, N, num_tasks, rank, world)
+    lcsc(G, Tiles(BM, BN), num_tasks, num_tasks, num_comm, _loader, _consumer, _storer, _communicator, call,
+         _finisher)
 
 
 class ScaledAllGather:
-    """Set-up (collective, allocating) apart from the call (allocation-free): the output and counters are
-    parallel tensors made once for a shape and dtype."""
+    """A plan in miniature: what is collective and allocating (the output, the flags, the compiled launch) is made
+    once for a shape and dtype; a call only checks its input and launches."""
 
     def __init__(self, shape: tuple[int, int], dtype: torch.dtype, *, num_comm_programs: int = 1,
                  block: tuple[int, int] = (32, 64)):
         ctx = context()
         self.M, self.N = shape
         self.dtype = dtype
-        self.block = block
-        self.world = ctx.local_world_size
-        self.num_tasks = cdiv(self.M, block[0]) * cdiv(self.N, block[1])
-        if self.world > 1 and num_comm_programs < 1:
-            raise PKError(f"ScaledAllGather needs at least one communicator program with {self.world} ranks")
-        self.num_comm = num_comm_programs if self.world > 1 else 0
-        self.out: ParallelTensor = empty((self.world * self.M, self.N), dtype, name="scaled_all_gather.out")
-        # counters: [0, tasks) per-tile ready flags, then the arrival counter, then the barrier
-        self.counters = zeros(self.num_tasks + 2, torch.int32, name="scaled_all_gather.counters")
-        self.grid = grid(self.num_tasks, self.num_comm)
+        world = ctx.local_world_size
+        num_tasks = cdiv(self.M, block[0]) * cdiv(self.N, block[1])
+        if world > 1 and num_comm_programs < 1:
+            raise PKError(f"ScaledAllGather needs at least one communicator program with {world} ranks")
+        num_comm = num_comm_programs if world > 1 else 0
+        self.out: ParallelTensor = empty((world * self.M, self.N), dtype, name="scaled_all_gather.out")
+        flags = heap().allocate(4 * (num_tasks + 1), "scaled_all_gather.flags")
+        sig = meeting.signature("scaled_all_gather", shape, str(dtype), num_comm, block)
+        self._launch = Launcher(
+            _scaled_all_gather_kernel, grid(num_tasks, num_comm), per_call=("x_ptr", "alpha"),
+            out_ptr=self.out.local, out_handle=self.out.handle, flags_ptr=flags.view(num_tasks + 1, torch.int32),
+            flags_handle=flags.handle, M=self.M, N=self.N, num_tasks=num_tasks, num_comm=num_comm,
+            BM=block[0], BN=block[1], **meeting.meeting().args(sig))
 
     def __call__(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
         """all_gather(alpha * x) along dim 0; returns this rank's output buffer (valid until the next call)."""
         if x.shape != (self.M, self.N) or x.dtype != self.dtype or x.device != self.out.device:
             raise PKError(f"expected a {self.dtype} tensor of shape {(self.M, self.N)} on {self.out.device}, got "
                           f"{x.dtype} {tuple(x.shape)} on {x.device}")
-        x = x.contiguous()
-        c = self.counters
-        _scaled_all_gather_kernel[self.grid](
-            x, self.out.local, self.out.handle, c.local, c.handle, alpha, self.M, self.N, self.num_tasks,
-            num_comm=self.num_comm, BM=self.block[0], BN=self.block[1])
-        _finish_kernel[(1,)](c.local, c.handle, self.num_tasks, (self.world - 1) * self.num_tasks)
+        self._launch(x.contiguous(), float(alpha))
         return self.out.local

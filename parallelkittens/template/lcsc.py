@@ -9,18 +9,19 @@ tasks the same way and runs ``communicator(G, C, task)``: bulk peer copies, wait
 reducing, so that data movement runs on its own SMs while the compute workers keep the tensor cores busy (the
 paper's inter-SM overlap; loads and stores to peers inside the compute worker are its intra-SM overlap).
 
-`G` is a tuple of the op's run-time values (pointers, handles, sizes) and `C` a tuple of its compile-time
-values (block sizes, flags); the roles index them. They are separate because Triton keeps a constexpr a
-constexpr only inside an all-constexpr tuple, and only where it is read in place (``tl.arange(0, C[0])``):
-unpacking the tuple or assigning ``BM = C[0]`` turns it into a run-time value (Triton 3.6 and 3.9).
-Roles are `@triton.jit` functions passed by name; `loader` and `communicator` may be None when unused.
-`num_comm_programs` is a run-time value, so trying several counts (tuning) compiles the kernel once; list its
-argument in the kernel's ``do_not_specialize``, or a count of 1 compiles a second variant.
+`G` is a named tuple of the op's run-time values (pointers, handles, sizes), so that roles read ``G.m_local``,
+and `C` a named tuple of its compile-time values (block sizes, flags), read in place (``tl.arange(0, C.BM)``):
+Triton keeps a constexpr a constexpr only inside a tuple of constexprs, and only where it is read in place
+(assigning ``BM = C.BM`` makes it a run-time value; Triton 3.6 and 3.9). Roles are `@triton.jit` functions
+passed by name; `loader` and `communicator` may be None when unused. `num_comm_programs` is a run-time value, so
+trying several counts (tuning) compiles the kernel once; list its argument in the kernel's
+``do_not_specialize``, or a count of 1 compiles a second variant.
 
-`go`, when given, is the call's verdict from a check made before the kernel (the fused ops' agreement): where
-it is false no storer and no communicator runs, so nothing reaches a peer and nobody waits for one. Compute
-workers read it only after their first consumer, so its load's latency hides behind that tile's k-loop; a
-consumer that waits for peers (a loader) must consult it itself.
+`call`, from `meeting.begin` (see `template/meeting.py`), makes the kernel a collective call: a compute worker
+asks for the meeting's verdict after its first consumer, so that the wait for the other ranks hides behind
+that tile's k-loop, and runs no storer if the ranks disagree; communicators run only if they agree. A consumer
+that waits for peers (a loader) must ask for the verdict itself, first. At the end the last program of the rank
+runs `finisher(G, C)`, where an op resets what one call used (flags), knowing every program is done with it.
 
 Every program of the grid must be resident at once, since compute workers and communicators wait on each
 other: launch with `grid(...)`, which never asks for more programs than the device has SMs.
@@ -30,10 +31,12 @@ import triton
 import triton.language as tl
 
 from ..runtime.device import num_sms
+from . import meeting
 
 
 @triton.jit
-def lcsc(G, C, num_tasks, num_comm_tasks, num_comm_programs, loader, consumer, storer, communicator, go=None):
+def lcsc(G, C, num_tasks, num_comm_tasks, num_comm_programs, loader, consumer, storer, communicator, call=None,
+         finisher=None):
     """Run the op's roles over `num_tasks` compute tasks and `num_comm_tasks` communication tasks."""
     pid = tl.program_id(0)
     num_compute = tl.num_programs(0) - num_comm_programs
@@ -43,22 +46,26 @@ def lcsc(G, C, num_tasks, num_comm_tasks, num_comm_programs, loader, consumer, s
     if pid >= num_comm_programs:
         for task in range(pid - num_comm_programs, num_tasks, num_compute):
             acc = consumer(G, C, task, loader)
-            if _proceed(go):
+            if _agreed(call):  # a wait only at the first task; later ones find every rank arrived
                 storer(G, C, task, acc)
     else:
         if communicator is not None:
-            if _proceed(go):
+            if _agreed(call):
                 for task in range(pid, num_comm_tasks, num_comm_programs):
                     communicator(G, C, task)
+    if call is not None:
+        if meeting.end(call):
+            if finisher is not None:
+                finisher(G, C)
 
 
 @triton.jit
-def _proceed(go):
-    """Whether to go on: `go`, or always when there is none."""
-    if go is None:
+def _agreed(call):
+    """The meeting's verdict, or True for a kernel that is no collective call."""
+    if call is None:
         return True
     else:
-        return go
+        return meeting.verdict(call)
 
 
 def grid(num_tasks: int, num_comm_programs: int, max_programs: int | None = None) -> tuple[int]:

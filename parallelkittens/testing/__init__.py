@@ -11,9 +11,31 @@ import torch.distributed as dist
 
 from ..runtime.context import context
 
+# The one source of truth for tolerances: tests, the demo and the benchmarks all use these.
 # Relative-error bounds (‖out − ref‖ / ‖ref‖ against a float64 reference): a small multiple of what one
 # rounding to the dtype costs, since each op here rounds once or accumulates in fp32.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
+# GEMMs: 16-bit operands, fp32 accumulation, about one rounding of the output; fp32 runs as tf32 on a GPU (about
+# 1e-3 per product), which the interpreter does not emulate.
+GEMM_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-3}
+WORST_ELEMENT = 4  # the largest elementwise error, relative to max |ref|, may be this many times the bound
+
+
+def tolerance(dtype: torch.dtype, kind: str = "sum") -> float:
+    """The relative-error bound for `dtype`: ``"sum"`` for data moved or summed in fp32 and rounded once,
+    ``"gemm"`` for matrix products."""
+    return (GEMM_TOLERANCE if kind == "gemm" else TOLERANCE)[dtype]
+
+
+def check_close(what: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, kind: str = "sum") -> str | None:
+    """None when `out` is within `tolerance(dtype, kind)` of `ref` (by norm, and element by element within
+    `WORST_ELEMENT` times that of max |ref|: a single wrong or unwritten tile shows there), else what is wrong."""
+    bound = tolerance(dtype, kind)
+    err = relative_error(out, ref)
+    worst = max_abs_error(out, ref) / max(float(ref.detach().abs().max()), 1e-300) if ref.numel() else 0.0
+    if err <= bound and worst <= WORST_ELEMENT * bound:
+        return None
+    return f"{what} {dtype}: relative error {err:.2e}, worst element {worst:.2e} of max |ref| (bound {bound:.0e})"
 
 
 def shared_seed() -> int:

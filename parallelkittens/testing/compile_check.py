@@ -4,8 +4,8 @@
 
 prints one JSON object: {"markers": kernel name -> the memory-ordering markers found in its PTX, "shared":
 kernel name -> bytes of shared memory it needs}. The tests check that signals release and waits acquire at
-system scope, that bulk tensor copies are waited for before a signal, that the bounded wait (a timer read)
-exists only with PK_DEBUG=1, and that every kernel fits in an H100/H200 SM's shared memory.
+system scope, that bulk tensor copies are waited for before a signal, that every wait is bounded (a timer
+read), and that every kernel fits in an H100/H200 SM's shared memory.
 """
 
 from __future__ import annotations
@@ -32,12 +32,16 @@ MARKERS = {
 }
 
 
+MEET = {"meet_counters": "*i32", "meet_slots": "*i64", "meet_handle": "*i64", "sig": "i64", "rank": "i32",
+        "world": "i32"}
+
+
 def _kernels():
     import torch
 
-    from ..ops import matmul_pingpong
-    from ..ops._collective import _agree_kernel, _pull_kernel
-    from ..ops.barrier import _barrier_kernel
+    from ..ops.collectives._pull import _pull_kernel
+    from ..ops.collectives.barrier import _barrier_kernel
+    from ..ops.gemm import pingpong
     from ..template import example
     from . import primitive_checks as pc
 
@@ -46,11 +50,10 @@ def _kernels():
     # what a launch specializes when pointers and sizes are multiples of 16 (the usual case)
     ALIGNED = ("src_ptr", "out_ptr", "limit", "C", "ss0", "ss1", "ss2", "ds0", "ds1", "ds2", "src_me", "src_r",
                "dst_me", "dst_r")
-    PULL = {"src_ptr": "*bf16", "h": i64, "out_ptr": "*bf16", "ctr_ptr": "*i32", "hc": i64, "meta_ptr": i64,
-            "hm": i64, "sig": "i64", "limit": "i64",
-            **{k: "i32" for k in ("R0", "R1", "R2", "C", "ss0", "ss1", "ss2", "ds0", "ds1", "ds2", "src_me", "src_r",
-                                  "dst_me", "dst_r")}, "REDUCE": "constexpr", "BR": "constexpr", "BC": "constexpr",
-            "LIMIT": "constexpr"}
+    PULL = {"src_ptr": "*bf16", "src_handle": i64, "out_ptr": "*bf16", "done_ptr": "*i32", "done_handle": i64,
+            "limit": "i64", **{k: "i32" for k in ("R0", "R1", "R2", "C", "ss0", "ss1", "ss2", "ds0", "ds1", "ds2",
+                                                   "src_me", "src_r", "dst_me", "dst_r")}, **MEET,
+            "REDUCE": "constexpr", "BR": "constexpr", "BC": "constexpr", "LIMIT": "constexpr"}
     kernels = {
         "signal_wait": (pc._signal_wait_kernel, {"src_ptr": "*fp32", "inbox_ptr": "*fp32", "h": i64,
                                                  "flags_ptr": "*i32", "hf": i64, "out_ptr": "*fp32", "n": "i32",
@@ -67,15 +70,13 @@ def _kernels():
         "tma_store_add": (pc._tma_kernel, {"src_ptr": "*fp32", "y_ptr": "*fp32", "h": i64, "M": "i32", "N": "i32",
                                            "ADD": "constexpr", "BM": "constexpr", "BN": "constexpr"},
                           {"ADD": True, "BM": 64, "BN": 64}),
-        "agreement": (_agree_kernel, {"ctr_ptr": "*i32", "hc": i64, "slots_ptr": "*i64", "hs": i64,
-                                      "skip_ptr": "*i32", "sig": "i64"}, {}),
         "collective_pull": (_pull_kernel, PULL, {"REDUCE": True, "BR": 4, "BC": 1024, "LIMIT": True}, ALIGNED),
         "collective_pull_copy": (_pull_kernel, PULL, {"REDUCE": False, "BR": 1, "BC": 4096, "LIMIT": False},
                                  ALIGNED),
         "lcsc_example": (example._scaled_all_gather_kernel,
-                         {"x_ptr": "*bf16", "out_ptr": "*bf16", "h": i64, "counters_ptr": "*i32", "hc": i64,
-                          "alpha": "fp32", "M": "i32", "N": "i32", "num_tasks": "i32",
-                          "num_comm": "i32", "BM": "constexpr", "BN": "constexpr"},
+                         {"x_ptr": "*bf16", "out_ptr": "*bf16", "out_handle": i64, "flags_ptr": "*i32",
+                          "flags_handle": i64, "alpha": "fp32", "M": "i32", "N": "i32", "num_tasks": "i32",
+                          "num_comm": "i32", **MEET, "BM": "constexpr", "BN": "constexpr"},
                          {"BM": 32, "BN": 64}),
     }
     kernels.update(_gemm_kernels("bf16", GEMM))
@@ -84,13 +85,12 @@ def _kernels():
     narrow = {**GEMM, "BN": 128, "STAGES": 5}  # matmul_config's choice when tiles are few
     kernels["matmul_narrow"] = _gemm_kernels("bf16", narrow)["matmul"]
     kernels["matmul_narrow_fp32"] = _gemm_kernels("fp32", {**narrow, "BK": 32, "STAGES": 4})["matmul"]
-    kernels["matmul_split_k"] = _gemm_kernels("bf16", {**GEMM, "BN": 128, "STAGES": 4})["matmul_split_k"]
-    if matmul_pingpong.AVAILABLE:
-        a_layout, b_layout, c_layout = matmul_pingpong.layouts(torch.bfloat16, 128, 128, 64)
-        pingpong = {"a_desc": _desc("bf16", 128, 64, a_layout), "b_desc": _desc("bf16", 64, 128, b_layout),
-                    "c_desc": _desc("bf16", 128, 128, c_layout), "M": "i32", "N": "i32", "K": "i32",
-                    "GROUP_M": "constexpr", "STAGES": "constexpr"}
-        kernels["matmul_pingpong"] = (matmul_pingpong._pingpong_kernel, pingpong, {"GROUP_M": 8, "STAGES": 5})
+    if pingpong.AVAILABLE:
+        a_layout, b_layout, c_layout = pingpong.layouts(torch.bfloat16, 128, 128, 64)
+        signature = {"a_desc": _desc("bf16", 128, 64, a_layout), "b_desc": _desc("bf16", 64, 128, b_layout),
+                     "c_desc": _desc("bf16", 128, 128, c_layout), "M": "i32", "N": "i32", "K": "i32",
+                     "GROUP_M": "constexpr", "STAGES": "constexpr"}
+        kernels["matmul_pingpong"] = (pingpong._pingpong_kernel, signature, {"GROUP_M": 8, "STAGES": 5})
     return kernels
 
 
@@ -101,10 +101,10 @@ def _desc(dtype: str, rows: int, cols: int, layout=None) -> str:
 
 def _gemm_kernels(dtype: str, gemm: dict) -> dict:
     """The GEMM kernels and the fused ops' kernels with `dtype` operands and `gemm`'s tiles."""
-    from ..ops.all_gather_matmul import _ag_matmul_kernel
-    from ..ops.matmul import _matmul_kernel, _matmul_split_k_kernel
-    from ..ops.matmul_all_reduce import _mm_ar_kernel
-    from ..ops.matmul_reduce_scatter import _mm_rs_kernel
+    from ..ops.gemm.all_gather_matmul import _ag_matmul_kernel
+    from ..ops.gemm.matmul import _matmul_kernel
+    from ..ops.gemm.matmul_all_reduce import _mm_ar_kernel
+    from ..ops.gemm.matmul_reduce_scatter import _mm_rs_kernel
 
     bm, bn, bk = gemm["BM"], gemm["BN"], gemm["BK"]
     a, b, half, ptr = _desc(dtype, bm, bk), _desc(dtype, bk, bn), _desc(dtype, bm, bn // 2), "*" + dtype
@@ -113,24 +113,19 @@ def _gemm_kernels(dtype: str, gemm: dict) -> dict:
     return {
         "matmul": (_matmul_kernel, {"a_desc": a, "b_desc": b, "c_desc": half, **ints("M", "N", "K"), **consts,
                                     "FLATTEN": "constexpr"}, {**gemm, "FLATTEN": True}),
-        "matmul_split_k": (_matmul_split_k_kernel, {"a_desc": a, "b_desc": b, "c_desc": half,
-                                                    "part_desc": _desc("fp32", bm, bn // 2), "arrived_ptr": "*i32",
-                                                    **ints("M", "N", "K"), **consts, "SPLITS": "constexpr"},
-                           {**gemm, "SPLITS": 4}),
         "all_gather_matmul": (_ag_matmul_kernel, {
-            "a_desc": a, "a_ptr": ptr, "a_full_ptr": ptr, "a_full_desc": a, "b_desc": b, "c_desc": half,
-            "flags_ptr": "*i32", "hf": "*i64", "h": "*i64", **ints("m_local", "M", "N", "K", "num_tasks",
-                                                                   "num_comm_tasks", "num_comm"),
-            "skip_ptr": "*i32", **ints("rank", "world"), **consts, "BK_COPY": "constexpr"}, {**gemm, "BK_COPY": 64}),
+            "a_desc": a, "a_ptr": ptr, "a_full_ptr": ptr, "a_full_handle": "*i64", "a_full_desc": a, "b_desc": b,
+            "c_desc": half, "flags_ptr": "*i32", "flags_handle": "*i64",
+            **ints("m_local", "M", "N", "K", "num_tasks", "num_comm_tasks", "num_comm"), **MEET, **consts,
+            "BK_COPY": "constexpr"}, {**gemm, "BK_COPY": 64}),
         "matmul_reduce_scatter": (_mm_rs_kernel, {
-            "a_desc": a, "b_desc": b, "buf_ptr": ptr, "hb": "*i64", "buf_desc": half, "ctr_ptr": "*i32",
-            "hc": "*i64", "out_desc": half, **ints("M", "N", "K", "m_block", "per_owner"), "skip_ptr": "*i32",
-            **ints("rank", "world"), **consts}, gemm),
+            "a_desc": a, "b_desc": b, "buf_ptr": ptr, "buf_handle": "*i64", "buf_desc": half, "ctr_ptr": "*i32",
+            "ctr_handle": "*i64", "out_desc": half, **ints("M", "N", "K", "m_block", "per_owner"), **MEET, **consts},
+            gemm),
         "matmul_all_reduce": (_mm_ar_kernel, {
-            "a_desc": a, "b_desc": b, "buf_ptr": ptr, "hb": "*i64", "buf_desc": half, "res_ptr": ptr, "hr": "*i64",
-            "res_desc": half, "out_desc": half, "hc": "*i64", **ints("M", "N", "K"), "ctr_ptr": "*i32",
-            **ints("tiles", "num_comm_tasks", "num_comm"), "skip_ptr": "*i32",
-            **ints("rank", "world"), **consts}, gemm),
+            "a_desc": a, "b_desc": b, "buf_ptr": ptr, "buf_handle": "*i64", "buf_desc": half, "res_ptr": ptr,
+            "res_handle": "*i64", "res_desc": half, "out_desc": half, "ctr_ptr": "*i32", "ctr_handle": "*i64",
+            **ints("M", "N", "K", "tiles", "num_comm_tasks", "num_comm"), **MEET, **consts}, gemm),
     }
 
 
@@ -150,7 +145,7 @@ def compile_all(arch: int) -> dict[str, dict]:
     found, shared = {}, {}
     for name, (fn, signature, constexprs, *aligned) in _kernels().items():
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (aligned[0] if aligned else ())}
-        gluon = type(fn).__name__ == "GluonJITFunction"  # the Hopper ping-pong GEMM (ops/matmul_pingpong.py)
+        gluon = type(fn).__name__ == "GluonJITFunction"  # the Hopper ping-pong GEMM (ops/gemm/pingpong.py)
         src = (_gluon_source() if gluon else ASTSource)(fn, signature, constexprs, attrs=attrs)
         gemm = "BM" in constexprs and constexprs.get("BN") == 256
         options = {"num_warps": 4, "maxnreg": 168} if gluon else {"num_warps": 8} if gemm else {}

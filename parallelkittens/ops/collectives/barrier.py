@@ -7,9 +7,10 @@ across ranks (writes made before it are visible to every rank after it). Collect
 import torch
 import triton
 
-from .. import language as pkl
-from ..runtime import context as _context
-from ..runtime.memory import zeros
+from ... import language as pkl
+from ...runtime.context import context
+from ...runtime.heap import heap
+from ...runtime.launch import Launcher
 
 
 @triton.jit
@@ -19,8 +20,10 @@ def _barrier_kernel(counter_ptr, h):
 
 def barrier() -> None:
     """Queue a barrier of every rank of the node on this rank's device stream (asynchronous on a GPU)."""
-    ctx = _context.context()
-    if ctx._barrier is None:  # first call is collective on every rank, like every later one
-        ctx._barrier = zeros(1, torch.int32, name="pk.barrier")
-    counter = ctx._barrier
-    _barrier_kernel[(1,)](counter.local, counter.handle)
+    cache = context().cache
+    launch = cache.get("barrier")
+    if launch is None:  # the first call is collective on every rank, like every later one
+        block = heap().allocate(4, "barrier")
+        launch = cache["barrier"] = Launcher(_barrier_kernel, (1,), counter_ptr=block.view(1, torch.int32),
+                                             h=block.handle)
+    launch()

@@ -12,7 +12,7 @@ Stages pass between them on mbarriers: `ready[s]` completes when stage s's loads
 `empty[s]` when the consumer that used it has retired its MMAs. Tile j of the program uses ring positions
 j * k_steps + k, so both sides compute stage and phase from the tile's number: no shared counters.
 
-Gluon has no interpreter, so the CPU tests run `ops.matmul`'s `tl` kernel; `tests/test_compile.py` compiles
+Gluon has no interpreter, so the CPU tests run `ops.gemm.matmul`'s `tl` kernel; `tests/test_compile.py` compiles
 this one for sm_90, and the GPU tests and `bench matmul` run it (`matmul_config` chooses it on Hopper for
 k-loops of at most 4 steps, where it wins; from K = 512 it ties the `tl` kernel, and at 8192³ it loses).
 """
@@ -151,14 +151,14 @@ def layouts(dtype: torch.dtype, bm: int, bn: int, bk: int) -> tuple:
 
 
 def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bm: int, bn: int, bk: int) -> tuple:
-    """The kernel's TMA descriptors over a (M, K), b (K, N) and c (M, N), made on the host (`ops.matmul`'s
+    """The kernel's TMA descriptors over a (M, K), b (K, N) and c (M, N), made on the host (`ops.gemm.matmul`'s
     docstring says why); the operands are contiguous, 16-byte aligned and not empty."""
     a_layout, b_layout, c_layout = layouts(a.dtype, bm, bn, bk)
     return _descriptor(a, [bm, bk], a_layout), _descriptor(b, [bk, bn], b_layout), _descriptor(c, [bm, bn], c_layout)
 
 
 def _descriptor(t: torch.Tensor, block: list[int], layout) -> HostDescriptor:
-    """Built without the class's own checks (3 µs each on the host), as `ops.matmul.descriptor` is."""
+    """Built without the class's own checks (3 µs each on the host), as `ops.gemm.matmul.descriptor` is."""
     desc = object.__new__(HostDescriptor)
     desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout = t, t.shape, t.stride(), block, layout
     desc.padding = "zero"

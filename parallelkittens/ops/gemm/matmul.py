@@ -6,8 +6,13 @@ row-major, bf16, fp16 or fp32 (tf32 on the tensor cores), fp32 accumulation; M, 
 the tiles (descriptors clip the edges), but rows must be 16-byte aligned for TMA (K and N multiples of 8 in
 16-bit types, of 4 in fp32).
 
-Reference point (digest §15.3, one H200): a plain persistent Triton GEMM with descriptors, 128x256x64 tiles,
+Reference point (one H200, 2026-12-02): a plain persistent Triton GEMM with descriptors, 128x256x64 tiles,
 3 stages, 8 warps reached 701 TFLOP/s at 8192^3 bf16 against cuBLAS's 680; that is the default here.
+
+Tried and dropped: split-K (SPLITS programs per output tile, each a slice of the k-loop; the last to arrive added
+the others' fp32 partials) lost at every benchmark shape on the H200 (2026-12-04): at best 0.609 of cuBLAS at
+2048x256x2048 (against 0.74 without) and 0.30 at 2048x2048x256; a variant adding the partials with TMA
+reduce-adds reached 0.498.
 
 The descriptors of local tensors are made on the host (`descriptor`) and passed to the kernels as parameters,
 as cuBLAS passes its TMA maps. Made in the kernel (`tl.make_tensor_descriptor`), every program writes its maps to
@@ -21,19 +26,20 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..language.signals import arrive
-from ..runtime.context import context
-from ..runtime.device import num_sms
-from ..runtime.errors import PKError
-from ..runtime.launch import launch
-from ..runtime.sizes import cdiv
-from . import matmul_pingpong
+from ...runtime.context import context
+from ...runtime.device import num_sms
+from ...runtime.errors import PKError
+from ...runtime.launch import Launcher
+from ...runtime.sizes import cdiv
+from .. import plan as plans
+from . import pingpong
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32 runs as tf32 on the tensor cores
 
@@ -49,20 +55,34 @@ class MatmulConfig:
     num_stages: int = 3
     num_warps: int = 8
     flatten: bool = False  # the plain GEMM only: one flattened loop over tiles and k, so loads run ahead
-    splits: int = 1  # the plain GEMM only: programs per output tile, each a slice of the k-loop (split-K)
     pingpong: bool = False  # the plain GEMM only, on Hopper in 16-bit: the warp-specialised Gluon kernel
 
     def validate(self) -> MatmulConfig:
+        """This configuration, or a `PKError` naming the bad field and what it may be."""
         for field in ("block_m", "block_n", "block_k"):
             value = getattr(self, field)
             if value < 16 or value > 256 or value & (value - 1):  # TMA moves boxes of at most 256 per side
                 raise PKError(f"MatmulConfig.{field} must be a power of two from 16 to 256, got {value}")
-        if self.group_m < 1 or self.num_stages < 1 or self.num_warps not in (4, 8) or self.splits < 1:
-            raise PKError(f"MatmulConfig: group_m >= 1, num_stages >= 1, num_warps 4 or 8, splits >= 1; got {self}")
-        if self.pingpong and (self.block_m < 64 or self.block_m * self.block_n > 128 * 128 or self.splits > 1):
-            raise PKError(f"MatmulConfig: ping-pong tiles need block_m >= 64, block_m * block_n <= 128 * 128 (one "
-                          f"warp group's accumulator in registers) and no split; got {self}")
+        if self.group_m < 1 or self.num_stages < 1 or self.num_warps not in (4, 8):
+            raise PKError(f"MatmulConfig: group_m >= 1, num_stages >= 1, num_warps 4 or 8; got {self}")
+        if self.pingpong and (self.block_m < 64 or self.block_m * self.block_n > 128 * 128):
+            raise PKError(f"MatmulConfig: ping-pong tiles need block_m >= 64 and block_m * block_n <= 128 * 128 "
+                          f"(one warp group's accumulator in registers); got {self}")
         return self
+
+    def tiles(self) -> Tiles:
+        """The kernels' compile-time tile sizes, as the named tuple the GEMM roles read."""
+        return Tiles(self.block_m, self.block_n, self.block_k, self.group_m, self.num_stages)
+
+
+class Tiles(NamedTuple):
+    """A GEMM's compile-time values inside a kernel: roles read ``C.BM`` in place, so they stay constexprs."""
+
+    BM: tl.constexpr
+    BN: tl.constexpr
+    BK: tl.constexpr
+    GROUP_M: tl.constexpr
+    STAGES: tl.constexpr
 
 
 def default_config(dtype: torch.dtype = torch.bfloat16) -> MatmulConfig:
@@ -87,13 +107,12 @@ def matmul_config(M: int, N: int, K: int, dtype: torch.dtype) -> MatmulConfig:
     * where even 64x64 tiles make at most one wave, 64x64x128 with 4 stages (2048x256x2048: 0.80 against 0.59);
     * a k-loop of at most 4 steps, where the epilogue is much of the time, on Hopper in 16-bit: the ping-pong
       kernel, one consumer's epilogue under the other's MMAs (2048x2048x256: 0.84-0.87 against 0.80).
-      At K = 512 and above it only ties, and at 8192^3 it loses (0.99 against 1.04).
-    Split-K lost at every benchmark shape and is never chosen."""
+      At K = 512 and above it only ties, and at 8192^3 it loses (0.99 against 1.04)."""
     if context().device.type != "cuda":
         return default_config(dtype)
     if cdiv(M, 64) * cdiv(N, 64) <= num_sms():
         shape = "tiny"
-    elif K <= 256 and matmul_pingpong.usable(context().device, dtype):
+    elif K <= 256 and pingpong.usable(context().device, dtype):
         shape = "short_k"
     else:
         shape = "few_tiles" if 2 * cdiv(M, 128) * cdiv(N, 256) <= num_sms() else "large"
@@ -157,9 +176,9 @@ def store_tile(desc, tile, row, col, BM: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def gemm_tile(a_desc, b_desc, M, N, K, tile, C):
     """(fp32 tile, pid_m, pid_n) for output tile `tile`, in grouped order, of a @ b; the fused ops' consumer.
-    C = (BM, BN, BK, GROUP_M, STAGES, ...), read in place so its entries stay constexprs."""
-    pid_m, pid_n = tile_coords(tile, M, N, C[0], C[1], C[3])
-    return mainloop(a_desc, b_desc, pid_m * C[0], pid_n * C[1], K, C[0], C[1], C[2], C[4]), pid_m, pid_n
+    C: `Tiles` (or any named tuple with its fields), read in place so its entries stay constexprs."""
+    pid_m, pid_n = tile_coords(tile, M, N, C.BM, C.BN, C.GROUP_M)
+    return mainloop(a_desc, b_desc, pid_m * C.BM, pid_n * C.BN, K, C.BM, C.BN, C.BK, C.STAGES), pid_m, pid_n
 
 
 @triton.jit
@@ -169,35 +188,6 @@ def _matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.con
         pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, STAGES)
         store_tile(c_desc, acc.to(c_desc.dtype), pid_m * BM, pid_n * BN, BM, BN)
-
-
-@triton.jit
-def _matmul_split_k_kernel(a_desc, b_desc, c_desc, part_desc, arrived_ptr, M, N, K, BM: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
-                           SPLITS: tl.constexpr):
-    """Split-K for GEMMs with few output tiles: SPLITS programs per tile, each a slice of the k-loop. Each stores
-    its fp32 partial (`part_desc`: SPLITS * tiles row blocks of (BM, BN)) and counts itself in the tile's arrival
-    counter; the last to arrive adds the others' partials, writes the tile and re-arms the counter. Nobody
-    waits, so the grid may exceed the SMs."""
-    tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-    tile = tl.program_id(0) % tiles
-    split = tl.program_id(0) // tiles
-    pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
-    per_split = tl.cdiv(tl.cdiv(K, BK), SPLITS)
-    k_lo = tl.minimum(split * per_split * BK, K)
-    acc = mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, tl.minimum(k_lo + per_split * BK, K) - k_lo, BM, BN,
-                   BK, STAGES, k_lo)
-    store_tile(part_desc, acc, (split * tiles + tile) * BM, 0, BM, BN)
-    if arrive(arrived_ptr + tile) == SPLITS - 1:  # the last split of this tile: the others' partials are there
-        left, right = column_halves(acc, BM, BN)
-        for other in range(SPLITS):
-            if other != split:
-                row = (other * tiles + tile) * BM
-                left += part_desc.load([row, 0])
-                right += part_desc.load([row, BN // 2])
-        tl.store(arrived_ptr + tile, 0)  # every split of this tile has counted: the next call starts from zero
-        c_desc.store([pid_m * BM, pid_n * BN], left.to(c_desc.dtype))
-        c_desc.store([pid_m * BM, pid_n * BN + BN // 2], right.to(c_desc.dtype))
 
 
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -239,60 +229,89 @@ def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) 
                       f"of {per_16_bytes} for {a.dtype} (a {tuple(a.shape)}, b {tuple(b.shape)})")
 
 
-def prepare(op: str, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None,
-            num_comm_sms: int | None = None, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor, MatmulConfig]:
-    """Check the operands (and `num_comm_sms`) on this rank before anything collective; return contiguous
-    operands and the validated configuration (with `plain`, the plain GEMM's choice for this shape)."""
-    check_operands(op, a, b)
-    if config is None and plain:
-        return a.contiguous(), b.contiguous(), matmul_config(a.shape[0], b.shape[1], a.shape[1], a.dtype)
-    if num_comm_sms is not None and not 1 <= num_comm_sms < num_sms():
-        raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
-    return a.contiguous(), b.contiguous(), (config or default_config(a.dtype)).validate()
+class MatmulPlan:
+    """a @ b for one (M, K) @ (K, N) shape and dtype: the configuration and the bound kernel."""
+
+    op = "matmul"
+
+    def __init__(self, M: int, N: int, K: int, dtype: torch.dtype, config: MatmulConfig | None):
+        ctx = context()
+        self.M, self.N, self.K, self.dtype, self.device = M, N, K, dtype, ctx.device
+        self.config = cfg = (config or matmul_config(M, N, K, dtype)).validate()
+        self._launch = None
+        if M * N == 0 or K == 0:
+            return  # nothing to compute: the output is empty, or zeros
+        tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+        grid = (min(num_sms(), tiles),)
+        per_call = ("a_desc", "b_desc", "c_desc")
+        if cfg.pingpong and pingpong.usable(ctx.device, dtype):
+            # 4 warps per consumer, and the register budget the three roles share (168 x 384 threads = the SM's 64K)
+            self._launch = Launcher(pingpong._pingpong_kernel, grid, per_call, M=M, N=N, K=K, GROUP_M=cfg.group_m,
+                                    STAGES=cfg.num_stages, num_warps=4, maxnreg=168)
+            self._descriptors = lambda a, b, c: pingpong.descriptors(a, b, c, cfg.block_m, cfg.block_n, cfg.block_k)
+        else:
+            self._launch = Launcher(_matmul_kernel, grid, per_call, M=M, N=N, K=K, BM=cfg.block_m, BN=cfg.block_n,
+                                    BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, FLATTEN=cfg.flatten,
+                                    num_warps=cfg.num_warps)
+            blocks = ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], [cfg.block_m, cfg.block_n // 2])
+            self._descriptors = lambda a, b, c: (descriptor(a, blocks[0]), descriptor(b, blocks[1]),
+                                                 descriptor(c, blocks[2]))
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """a @ b into `out` (a new tensor by default)."""
+        a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device)
+        c = new_output(self.op, out, (self.M, self.N), self.dtype, self.device)
+        if self._launch is None:
+            return c.zero_()
+        self._launch(*self._descriptors(a, b, c))
+        return c
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:
+def operands(op: str, a: torch.Tensor, b: torch.Tensor, a_shape: tuple[int, int], b_shape: tuple[int, int],
+             dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plan's per-call check of its operands against the shapes it was built for (cheap: no host exchange);
+    returns them contiguous."""
+    if a.shape != a_shape or b.shape != b_shape or a.dtype != dtype or b.dtype != dtype or a.device != device \
+            or b.device != device:
+        raise PKError(f"{op}: this plan was built for {dtype} operands of shapes {a_shape} and {b_shape} on "
+                      f"{device}, got {a.dtype} {tuple(a.shape)} on {a.device} and {b.dtype} {tuple(b.shape)} on "
+                      f"{b.device}")
+    a, b = a.contiguous(), b.contiguous()
+    if a.data_ptr() % 16 or b.data_ptr() % 16:
+        raise PKError(f"{op}: operands must start on a 16-byte boundary for TMA (a view with an odd offset?)")
+    return a, b
+
+
+def new_output(op: str, out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """`out`, checked, or a new tensor of `shape`."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if out.shape != shape or out.dtype != dtype or out.device != device or not out.is_contiguous() \
+            or out.data_ptr() % 16:
+        raise PKError(f"{op}: out must be a contiguous, 16-byte aligned {dtype} tensor of shape {shape} on {device}; "
+                      f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
+def plan(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> MatmulPlan:
+    """The plan for a @ b with operands like `a` and `b` (not collective)."""
+    key = ("matmul", getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), config)
+
+    def check() -> str:
+        check_operands("matmul", a, b)
+        if config is not None:
+            config.validate()
+        return ""
+
+    return plans.get(key, lambda: MatmulPlan(a.shape[0], b.shape[1], a.shape[1], a.dtype, config), check,
+                     collective=False)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b with the persistent descriptor GEMM: (M, K) @ (K, N) -> (M, N), fp32 accumulation. Not collective."""
-    a, b, cfg = prepare("matmul", a, b, config, plain=True)
-    M, K = a.shape
-    N = b.shape[1]
-    c = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    if c.numel() == 0 or K == 0:
-        return c.zero_()
-    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    if cfg.pingpong and matmul_pingpong.usable(a.device, a.dtype):
-        # 4 warps per consumer, and the register budget the three roles share (168 x 384 threads = the SM's 64K)
-        launch(matmul_pingpong._pingpong_kernel, (min(num_sms(), tiles),),
-               *matmul_pingpong.descriptors(a, b, c, cfg.block_m, cfg.block_n, cfg.block_k), M, N, K,
-               GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=4, maxnreg=168, key=(M, N, K, a.dtype, cfg))
-        return c
-    a_desc = descriptor(a, [cfg.block_m, cfg.block_k])
-    b_desc = descriptor(b, [cfg.block_k, cfg.block_n])
-    c_desc = descriptor(c, [cfg.block_m, cfg.block_n // 2])
-    if cfg.splits > 1:
-        part, arrived = _split_k_scratch(cfg, tiles)
-        part_desc = descriptor(part[:cfg.splits * tiles * cfg.block_m * cfg.block_n].view(-1, cfg.block_n),
-                               [cfg.block_m, cfg.block_n // 2])
-        launch(_matmul_split_k_kernel, (tiles * cfg.splits,), a_desc, b_desc, c_desc, part_desc, arrived, M, N, K,
-               BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-               SPLITS=cfg.splits, num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
-        return c
-    launch(_matmul_kernel, (min(num_sms(), tiles),), a_desc, b_desc, c_desc, M, N, K, BM=cfg.block_m,
-           BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, FLATTEN=cfg.flatten,
-           num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
-    return c
+    return plan(a, b, config)(a, b, out=out)
 
 
-def _split_k_scratch(cfg: MatmulConfig, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K's fp32 partials and zeroed arrival counters, kept per stream (kernels on two streams may overlap)
-    and grown as needed; a CUDA-graph capture that needs more gets its own, which the graph keeps."""
-    stream = torch.cuda.current_stream() if context().device.type == "cuda" else None
-    key = ("split_k", stream.stream_id if stream is not None else 0)
-    need = (cfg.splits * tiles * cfg.block_m * cfg.block_n, tiles)
-    have = context().cache.get(key)
-    if have is None or have[0].numel() < need[0] or have[1].numel() < need[1]:
-        have = (torch.empty(need[0], dtype=torch.float32, device=context().device),
-                torch.zeros(need[1], dtype=torch.int32, device=context().device))
-        if stream is None or not torch.cuda.is_current_stream_capturing():
-            context().cache[key] = have
-    return have
+plans.attach(matmul, plan)

@@ -1,0 +1,256 @@
+"""matmul_all_reduce: sum over ranks of a @ b on every rank (the paper's GEMM+AR, on the LCSC template).
+
+Schedule. The output tiles (grouped order) are split into W contiguous ranges, range r owned by rank r. Compute
+programs sweep all tiles starting at the next rank's range and ending with their own. A tile of another rank's
+range is added into its owner's symmetric buffer with one tensor-descriptor reduce-add in the input dtype, and
+the owner's counter for the tile is signalled. A tile of this rank's own range keeps its fp32 partial in
+registers, waits for the W - 1 peers' shares, adds them in fp32, zeroes the buffer tile, writes the sum to the
+output and to this rank's symmetric result buffer, and signals every peer that the tile is ready. Communicator
+programs take the tiles this rank does not own, wait for each to be ready and read it from its owner into the
+output, so moving results runs on their own SMs while the compute programs keep the tensor cores busy.
+
+No wait depends on a program that waits itself except through the owners, whose waits depend only on shares
+that are pushed unconditionally: no cycle, so ranks time-sliced on one GPU cannot deadlock. At one rank it is
+the persistent GEMM with no communicator. This is the paper's figure 18, with the NVLink-switch reduction
+replaced by reduce-adds into the owner and reads from it; shares of other ranks are summed in the input dtype
+(as NCCL does), the owner's own share and the final add in fp32.
+
+The kernel opens with the meeting (`template/meeting.py`), which also orders calls (no rank adds into a buffer,
+or overwrites a result a peer still reads, before the previous call ended everywhere). If the ranks disagree on
+the call, every rank skips its shares, stores and reads and `pk.sync()` raises `MismatchError`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import language as pkl
+from ...runtime.context import context
+from ...runtime.device import num_sms
+from ...runtime.errors import PKError
+from ...runtime.heap import heap
+from ...runtime.launch import Launcher
+from ...runtime.sizes import cdiv
+from ...template import grid, lcsc, meeting
+from .. import plan as plans
+from ._tuning import candidates, fastest
+from .matmul import (
+    MatmulConfig,
+    Tiles,
+    check_operands,
+    column_halves,
+    default_config,
+    descriptor,
+    gemm_tile,
+    new_output,
+    operands,
+    tile_coords,
+)
+from .matmul_reduce_scatter import push_share, take_shares
+
+
+def reference_matmul_all_reduce(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor]) -> torch.Tensor:
+    """sum_r a_r @ b_r in float64."""
+    return sum(a.double() @ b.double() for a, b in zip(a_parts, b_parts, strict=True))
+
+
+class Args(NamedTuple):
+    a_desc: object
+    b_desc: object
+    buf_ptr: object  # (M, N) in symmetric memory: peers' shares of this rank's tiles, zero between calls
+    buf_handle: object
+    buf_desc: object
+    res_ptr: object  # (M, N) in symmetric memory: the sums of this rank's tiles, which peers read
+    res_handle: object
+    res_desc: object
+    out_desc: object
+    ctr_ptr: object  # per tile: shares in (reset by the owner), then result ready (reset by the reader)
+    ctr_handle: object
+    M: object
+    N: object
+    K: object
+    tiles: object
+    call: object  # the meeting
+
+
+@triton.jit
+def _first_tile(rank, world, tiles):
+    """Where rank `rank`'s range of tiles starts (ranges differ in length by one at most)."""
+    return rank * tiles // world
+
+
+@triton.jit
+def _owner(tile, world, tiles):
+    """The rank whose range holds `tile`: the largest r with _first_tile(r) <= tile."""
+    return ((tile + 1) * world - 1) // tiles
+
+
+@triton.jit
+def _swept_tile(i, rank, world, tiles):
+    """The i-th tile of `rank`'s sweep: from the next rank's range round to the end of its own."""
+    return (i + _first_tile(rank + 1, world, tiles)) % tiles
+
+
+@triton.jit
+def _consumer(G, C, task, loader):
+    tile = _swept_tile(task, G.call.rank, G.call.world, G.tiles)
+    acc, pid_m, pid_n = gemm_tile(G.a_desc, G.b_desc, G.M, G.N, G.K, tile, C)
+    return acc, tile, pid_m * C.BM, pid_n * C.BN
+
+
+@triton.jit
+def _storer(G, C, task, result):
+    acc, tile, row, col = result
+    dtype = G.out_desc.dtype
+    half: tl.constexpr = C.BN // 2
+    world = G.call.world
+    owner = _owner(tile, world, G.tiles)
+    left, right = column_halves(acc, C.BM, C.BN)
+    if owner != G.call.rank:
+        push_share(left, right, G.buf_ptr, G.buf_handle, owner, G.ctr_ptr + tile, G.ctr_handle, G.M, G.N, row, col,
+                   C.BM, half)
+    else:
+        left, right = take_shares(left, right, G.buf_desc, G.ctr_ptr + tile, G.ctr_handle, world, row, col, C.BM,
+                                  half)
+        if world > 1:  # the sum for the peers to read
+            G.res_desc.store([row, col], left.to(dtype))
+            G.res_desc.store([row, col + half], right.to(dtype))
+            ready = G.ctr_ptr + G.tiles + tile
+            pkl.signal_all(ready, G.ctr_handle)  # ready, on every rank
+            tl.debug_barrier()
+            tl.atomic_add(ready, -1, sem="relaxed", scope="gpu")  # except this one
+        G.out_desc.store([row, col], left.to(dtype))
+        G.out_desc.store([row, col + half], right.to(dtype))
+
+
+@triton.jit
+def _communicator(G, C, task):
+    """Read the task-th tile this rank does not own from its owner, once it is ready, into the output."""
+    world = G.call.world
+    tile = _swept_tile(task, G.call.rank, world, G.tiles)  # the others' ranges, in the order their owners finish
+    ready = G.ctr_ptr + G.tiles + tile
+    pkl.wait(ready, 1, G.ctr_handle)
+    tl.store(ready, 0)
+    pid_m, pid_n = tile_coords(tile, G.M, G.N, C.BM, C.BN, C.GROUP_M)
+    half: tl.constexpr = C.BN // 2
+    src = pkl.peer_descriptor(G.res_ptr, G.res_handle, _owner(tile, world, G.tiles), [G.M, G.N], [G.N, 1],
+                              [C.BM, half])
+    for j in range(2):
+        G.out_desc.store([pid_m * C.BM, pid_n * C.BN + j * half], src.load([pid_m * C.BM, pid_n * C.BN + j * half]))
+
+
+@triton.jit(do_not_specialize=["num_comm", "rank"])
+def _mm_ar_kernel(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, res_ptr, res_handle, res_desc, out_desc, ctr_ptr,
+                  ctr_handle, M, N, K, tiles, num_comm_tasks, num_comm, meet_counters, meet_slots, meet_handle, sig,
+                  rank, world, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                  STAGES: tl.constexpr):
+    call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
+    G = Args(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, res_ptr, res_handle, res_desc, out_desc, ctr_ptr,
+             ctr_handle, M, N, K, tiles, call)
+    lcsc(G, Tiles(BM, BN, BK, GROUP_M, STAGES), tiles, num_comm_tasks, num_comm, None, _consumer, _storer,
+         _communicator, call)
+
+
+class MatmulAllReducePlan:
+    """sum over ranks of a @ b for one shape, dtype and configuration: the shares' and results' buffers and the
+    counters on the heap, the communicator count (tuned once), descriptors and the bound kernel."""
+
+    op = "matmul_all_reduce"
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, num_comm_sms: int | None, config: MatmulConfig | None):
+        ctx = context()
+        world = ctx.local_world_size
+        self.dtype, self.device = a.dtype, ctx.device
+        (self.M, self.K), self.N = a.shape, b.shape[1]
+        self.config = cfg = (config or default_config(a.dtype)).validate()
+        sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
+        self._launch = None
+        if self.M * self.N == 0:
+            return
+        M, N = self.M, self.N
+        tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+        shares = heap().pool("fused.accumulate", M * N * a.dtype.itemsize, zero=True)
+        results = heap().pool("fused.scratch", M * N * a.dtype.itemsize)
+        buf, res = shares.view((M, N), a.dtype), results.view((M, N), a.dtype)
+        ctr = heap().allocate(8 * tiles, f"{self.op}.counters")
+        half = [cfg.block_m, cfg.block_n // 2]
+        self._blocks = ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], half)
+        me = ctx.local_rank
+        not_mine = tiles - ((me + 1) * tiles // world - me * tiles // world)
+
+        def bound(num_comm: int) -> Launcher:
+            return Launcher(
+                _mm_ar_kernel, grid(tiles, num_comm), per_call=("a_desc", "b_desc", "out_desc"), buf_ptr=buf,
+                buf_handle=shares.handle, buf_desc=descriptor(buf, half), res_ptr=res, res_handle=results.handle,
+                res_desc=descriptor(res, half), ctr_ptr=ctr.view(2 * tiles, torch.int32), ctr_handle=ctr.handle,
+                M=M, N=N, K=self.K, tiles=tiles, num_comm_tasks=not_mine, num_comm=num_comm, BM=cfg.block_m,
+                BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+                **meeting.meeting().args(sig))
+
+        if world == 1:
+            self._launch = bound(0)
+        elif num_comm_sms is not None:
+            self._launch = bound(num_comm_sms)
+        else:  # time each count with this call's operands, the same on every rank
+            options = {count: bound(count) for count in candidates()}
+            scratch = torch.empty(M, N, dtype=a.dtype, device=self.device)
+            self._launch = options[fastest(lambda count: self._run(options[count], a, b, scratch), list(options))]
+
+    def _run(self, launch: Launcher, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+        launch(descriptor(a, self._blocks[0]), descriptor(b, self._blocks[1]), descriptor(c, self._blocks[2]))
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The (M, N) sum over ranks of a @ b, into `out` (a new tensor by default)."""
+        a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device)
+        c = new_output(self.op, out, (self.M, self.N), self.dtype, self.device)
+        if self._launch is not None:
+            self._run(self._launch, a, b, c)
+        return c
+
+
+def plan(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
+         config: MatmulConfig | None = None) -> MatmulAllReducePlan:
+    """The plan for matmul_all_reduce with operands like `a` and `b` (collective the first time)."""
+    op = "matmul_all_reduce"
+    key = (op, getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), num_comm_sms, config)
+
+    def check() -> str:
+        check_operands(op, a, b)
+        if config is not None:
+            config.validate()
+        limit = num_sms() - 1
+        if num_comm_sms is not None and not 1 <= num_comm_sms <= limit:
+            raise PKError(f"{op}: num_comm_sms must be in [1, {limit}] on this device, got {num_comm_sms}")
+        return f"{op} with {tuple(a.shape)}, {tuple(b.shape)}, {a.dtype}, num_comm_sms={num_comm_sms}, {config}"
+
+    return plans.get(key, lambda: MatmulAllReducePlan(a, b, num_comm_sms, config), check)
+
+
+def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
+                      config: MatmulConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """sum over ranks of a @ b: `a` is (M, K/W), `b` (K/W, N); returns the full (M, N) sum on every rank.
+
+    Collective. bf16, fp16 or fp32 (tf32 on a GPU); fp32 accumulation in the GEMM, shares of other ranks summed
+    in the input dtype (as NCCL does); K/W and N multiples of 8. `num_comm_sms` communicator programs read
+    the results of other ranks' tiles; None picks the count by timing the candidates once per plan
+    (`ops/gemm/_tuning.py`), the same on every rank (none at one rank).
+    """
+    return plan(a, b, num_comm_sms=num_comm_sms, config=config)(a, b, out=out)
+
+
+plans.attach(matmul_all_reduce, plan)
+
+
+@torch.library.custom_op("parallelkittens::matmul_all_reduce", mutates_args=())
+def _matmul_all_reduce_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`matmul_all_reduce` as a torch custom op (default configuration), for code compiled with torch.compile."""
+    return matmul_all_reduce(a, b)
+
+
+@_matmul_all_reduce_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[1])

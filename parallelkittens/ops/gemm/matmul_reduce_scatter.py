@@ -1,0 +1,217 @@
+"""matmul_reduce_scatter: this rank's row block of sum over ranks of a @ b (the paper's GEMM+RS).
+
+Schedule (intra-SM, no communicator, one kernel). The output rows are split into W row blocks, block r owned by
+rank r, and each block is tiled on its own. A rank sweeps the blocks starting at the next rank's and ending with
+its own, so that at any moment the ranks add into different owners. A tile of another rank's block is added
+into the owner's symmetric buffer with one tensor-descriptor reduce-add (TMA ``cp.reduce.async.bulk``) in the
+input dtype, and the owner's counter for that tile is signalled. A tile of this rank's own block comes last: its
+fp32 partial stays in registers, the program waits until the W - 1 peers' shares of the tile are in, adds them
+in fp32, writes the output tile and zeroes the buffer tile for the next call. No accumulator pass, no finish
+kernel; at one rank it is the plain persistent GEMM with the output tile written once.
+
+Across ranks the shares are summed in the input dtype, as NCCL's reduce-scatter sums bf16 in bf16 (half the
+bytes on NVLink of an fp32 share); the owner's own share and the final add are fp32. The order in which shares
+land varies, so bf16 results may differ in the last bit from call to call.
+
+The kernel opens with the meeting (`template/meeting.py`), which is also what orders one call after the previous
+one (no rank adds into a buffer before its owner has read and zeroed it). If the ranks disagree on the call,
+every rank skips its shares and stores and `pk.sync()` raises `MismatchError`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import language as pkl
+from ...runtime.context import context
+from ...runtime.errors import PKError
+from ...runtime.heap import heap
+from ...runtime.launch import Launcher
+from ...runtime.sizes import cdiv
+from ...template import grid, lcsc, meeting
+from .. import plan as plans
+from .matmul import (
+    MatmulConfig,
+    Tiles,
+    check_operands,
+    column_halves,
+    default_config,
+    descriptor,
+    mainloop,
+    new_output,
+    operands,
+    tile_coords,
+)
+
+
+def reference_matmul_reduce_scatter(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor], rank: int
+                                    ) -> torch.Tensor:
+    """Rank `rank`'s row block of sum_r a_r @ b_r, in float64."""
+    total = sum(a.double() @ b.double() for a, b in zip(a_parts, b_parts, strict=True))
+    return total.chunk(len(a_parts))[rank]
+
+
+class Args(NamedTuple):
+    a_desc: object
+    b_desc: object
+    buf_ptr: object  # (m_block, N) in symmetric memory: the peers' shares of this rank's tiles, zero between calls
+    buf_handle: object
+    buf_desc: object
+    ctr_ptr: object  # per tile of this rank's block: shares in; owners reset them
+    ctr_handle: object
+    out_desc: object
+    M: object
+    N: object
+    K: object
+    m_block: object
+    per_owner: object  # tiles in one rank's row block
+    call: object  # the meeting
+
+
+@triton.jit
+def push_share(left, right, buf_ptr, hb, owner, counter, hc, rows, N, row, col, BM: tl.constexpr,
+               HALF: tl.constexpr):
+    """Add this rank's share of a tile (its fp32 column halves, rounded to the buffer's dtype) into `owner`'s
+    (rows, N) buffer with two TMA reduce-adds, then signal the tile's counter on `owner`."""
+    dtype = buf_ptr.dtype.element_ty
+    dst = pkl.peer_descriptor(buf_ptr, hb, owner, [rows, N], [N, 1], [BM, HALF])
+    dst.atomic_add([row, col], left.to(dtype))
+    dst.atomic_add([row, col + HALF], right.to(dtype))
+    pkl.signal(counter, hc, owner)
+
+
+@triton.jit
+def take_shares(left, right, buf, counter, hc, world, row, col, BM: tl.constexpr, HALF: tl.constexpr):
+    """The owner's side: wait for the `world` - 1 peers' shares of the tile, add them to its own fp32 halves, and
+    leave the buffer tile (`buf`: the local buffer's descriptor, (BM, HALF) blocks) and the counter at zero for
+    the next call. Returns the summed halves."""
+    if world > 1:
+        pkl.wait(counter, world - 1, hc)
+        tl.store(counter, 0)
+        left += buf.load([row, col]).to(tl.float32)
+        right += buf.load([row, col + HALF]).to(tl.float32)
+        buf.store([row, col], tl.zeros([BM, HALF], buf.dtype))
+        buf.store([row, col + HALF], tl.zeros([BM, HALF], buf.dtype))
+    return left, right
+
+
+@triton.jit
+def _consumer(G, C, task, loader):
+    owner = (G.call.rank + 1 + task // G.per_owner) % G.call.world  # the next rank's block first, its own last
+    pid_m, pid_n = tile_coords(task % G.per_owner, G.m_block, G.N, C.BM, C.BN, C.GROUP_M)
+    # A's descriptor covers all of A: a tile past the end of the owner's block reads the next block's rows,
+    # whose results the clipped stores below drop.
+    acc = mainloop(G.a_desc, G.b_desc, owner * G.m_block + pid_m * C.BM, pid_n * C.BN, G.K, C.BM, C.BN, C.BK,
+                   C.STAGES)
+    return acc, owner, pid_m * C.BM, pid_n * C.BN
+
+
+@triton.jit
+def _storer(G, C, task, result):
+    acc, owner, row, col = result
+    counter = G.ctr_ptr + task % G.per_owner
+    left, right = column_halves(acc, C.BM, C.BN)
+    half: tl.constexpr = C.BN // 2
+    if owner != G.call.rank:
+        push_share(left, right, G.buf_ptr, G.buf_handle, owner, counter, G.ctr_handle, G.m_block, G.N, row, col, C.BM,
+                   half)
+    else:
+        left, right = take_shares(left, right, G.buf_desc, counter, G.ctr_handle, G.call.world, row, col, C.BM,
+                                  half)
+        G.out_desc.store([row, col], left.to(G.out_desc.dtype))
+        G.out_desc.store([row, col + half], right.to(G.out_desc.dtype))
+
+
+@triton.jit(do_not_specialize=["rank"])  # one binary for every rank (Triton would fold rank 1 into a constant)
+def _mm_rs_kernel(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, ctr_ptr, ctr_handle, out_desc, M, N, K, m_block,
+                  per_owner, meet_counters, meet_slots, meet_handle, sig, rank, world, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+    call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
+    G = Args(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, ctr_ptr, ctr_handle, out_desc, M, N, K, m_block,
+             per_owner, call)
+    lcsc(G, Tiles(BM, BN, BK, GROUP_M, STAGES), world * per_owner, 0, 0, None, _consumer, _storer, None, call)
+
+
+class MatmulReduceScatterPlan:
+    """sum over ranks of a @ b, scattered by rows, for one shape, dtype and configuration: the shares' buffer and
+    counters on the heap, descriptors and the bound kernel."""
+
+    op = "matmul_reduce_scatter"
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None):
+        ctx = context()
+        world = ctx.local_world_size
+        self.dtype, self.device = a.dtype, ctx.device
+        (self.M, self.K), self.N = a.shape, b.shape[1]
+        self.m_block = self.M // world
+        self.config = cfg = (config or default_config(a.dtype)).validate()
+        sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), cfg)
+        self._launch = None
+        if self.m_block * self.N == 0:
+            return
+        per_owner = cdiv(self.m_block, cfg.block_m) * cdiv(self.N, cfg.block_n)
+        shares = heap().pool("fused.accumulate", self.m_block * self.N * a.dtype.itemsize, zero=True)
+        buf = shares.view((self.m_block, self.N), a.dtype)
+        ctr = heap().allocate(4 * per_owner, f"{self.op}.counters")
+        half = [cfg.block_m, cfg.block_n // 2]
+        self._blocks = ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], half)
+        self._launch = Launcher(
+            _mm_rs_kernel, grid(world * per_owner, 0), per_call=("a_desc", "b_desc", "out_desc"), buf_ptr=buf,
+            buf_handle=shares.handle, buf_desc=descriptor(buf, half), ctr_ptr=ctr.view(per_owner, torch.int32),
+            ctr_handle=ctr.handle, M=self.M, N=self.N, K=self.K, m_block=self.m_block, per_owner=per_owner,
+            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+            num_warps=cfg.num_warps, **meeting.meeting().args(sig))
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's (M/W, N) row block of the sum over ranks of a @ b, into `out` (new by default)."""
+        a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device)
+        c = new_output(self.op, out, (self.m_block, self.N), self.dtype, self.device)
+        if self._launch is not None:
+            self._launch(descriptor(a, self._blocks[0]), descriptor(b, self._blocks[1]),
+                         descriptor(c, self._blocks[2]))
+        return c
+
+
+def plan(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None) -> MatmulReduceScatterPlan:
+    """The plan for matmul_reduce_scatter with operands like `a` and `b` (collective the first time)."""
+    op = "matmul_reduce_scatter"
+    key = (op, getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), config)
+
+    def check() -> str:
+        check_operands(op, a, b)
+        if config is not None:
+            config.validate()
+        world = context().local_world_size
+        if a.shape[0] % world:
+            raise PKError(f"{op}: M={a.shape[0]} rows do not divide by the world size {world}")
+        return f"{op} with {tuple(a.shape)}, {tuple(b.shape)}, {a.dtype}, {config}"
+
+    return plans.get(key, lambda: MatmulReduceScatterPlan(a, b, config), check)
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over ranks of a @ b, scattered by rows: `a` is (M, K/W), `b` (K/W, N); returns (M/W, N).
+
+    Collective. bf16, fp16 or fp32 (tf32 on a GPU); fp32 accumulation in the GEMM, shares of other ranks summed
+    in the input dtype (as NCCL does); M must divide by the world size; K/W and N multiples of 8 (TMA rows).
+    """
+    return plan(a, b, config=config)(a, b, out=out)
+
+
+plans.attach(matmul_reduce_scatter, plan)
+
+
+@torch.library.custom_op("parallelkittens::matmul_reduce_scatter", mutates_args=())
+def _matmul_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`matmul_reduce_scatter` as a torch custom op (default configuration), for code compiled with torch.compile."""
+    return matmul_reduce_scatter(a, b)
+
+
+@_matmul_reduce_scatter_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0] // context().local_world_size, b.shape[1])

@@ -1,0 +1,93 @@
+"""Every PK_* environment variable, read once into one frozen `Settings`.
+
+`init()` reads them when a rank joins, keeps them in its `Context` and checks that every rank read the same
+values (a rank with other settings is a `PKError` on every rank). `spawn()`, which runs before any rank exists,
+reads them in the parent. Nothing else in the package reads the environment for PK_* names; `VARIABLES` is the
+table the README shows, and a test checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from .errors import PKError
+
+# name: (field, default, effect). The one place a variable, its default and its meaning are written.
+VARIABLES: dict[str, tuple[str, object, str]] = {
+    "PK_BACKEND": ("backend", None, "`cuda` (a GPU per rank, NCCL), `cuda-shared` (ranks share one GPU, gloo; "
+                                    "correct, not fast), `cpu` (interpreter); default: the best that runs"),
+    "PK_DEBUG": ("debug", False, "`1`: waits give up after PK_WAIT_TIMEOUT instead of PK_TIMEOUT, so a protocol bug "
+                                 "fails in seconds (the tests and the demo set it)"),
+    "PK_WAIT_TIMEOUT": ("wait_timeout_s", 10.0, "seconds a wait lasts with PK_DEBUG=1 (a rank's first launch may "
+                                                "wait for a peer still compiling: allow a minute when kernels "
+                                                "compile cold)"),
+    "PK_TIMEOUT": ("timeout_s", 600.0, "seconds a wait lasts without PK_DEBUG (NCCL's watchdog default); a wait "
+                                       "that gives up records `WaitTimeoutError`, raised by `pk.sync()`"),
+    "PK_JOIN_TIMEOUT": ("join_timeout_s", 60.0, "seconds `init()` waits for every rank to join"),
+    "PK_SPAWN_TIMEOUT": ("spawn_timeout_s", 300.0, "seconds `spawn()` lets ranks run"),
+    "PK_FAST_LAUNCH": ("fast_launch", True, "`0`: launch every kernel through Triton's own path; by default a plan's "
+                                            "later calls go straight to the compiled kernel's launcher"),
+    "PK_INTERPRET_SMS": ("interpret_sms", 4, "programs a persistent kernel runs under the interpreter (each is a "
+                                             "thread)"),
+    "PK_ONE_SHOT_BYTES": ("one_shot_bytes", 256 * 1024, "largest all_reduce (bytes) done in one shot; larger ones "
+                                                        "reduce-scatter then all-gather"),
+    "PK_BENCH_MAX_ITERS": ("bench_max_iters", 200, "most calls a benchmark times back to back per measurement"),
+    "PK_JOB_ID": ("job_id", "", "set by `spawn()` for its ranks: names the job's shared-memory files"),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The PK_* variables of one process, parsed (see `VARIABLES` for each one's meaning and default)."""
+
+    backend: str | None = None
+    debug: bool = False
+    wait_timeout_s: float = 10.0
+    timeout_s: float = 600.0
+    join_timeout_s: float = 60.0
+    spawn_timeout_s: float = 300.0
+    fast_launch: bool = True
+    interpret_sms: int = 4
+    one_shot_bytes: int = 256 * 1024
+    bench_max_iters: int = 200
+    job_id: str = ""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Parse the PK_* variables of `environ` (default: this process's); a bad value is a `PKError` naming it."""
+        environ = os.environ if environ is None else environ
+        types = {f.name: f.type for f in fields(cls)}
+        values = {}
+        for name, (field, _default, _doc) in VARIABLES.items():
+            raw = environ.get(name, "")
+            if raw == "":
+                continue
+            kind = types[field]
+            try:
+                if kind == "bool":
+                    if raw not in ("0", "1"):
+                        raise ValueError
+                    values[field] = raw == "1"
+                elif kind == "int":
+                    values[field] = int(raw)
+                elif kind == "float":
+                    values[field] = float(raw)
+                    if values[field] <= 0:
+                        raise ValueError
+                else:
+                    values[field] = raw
+            except ValueError:
+                want = {"bool": "0 or 1", "int": "an integer", "float": "a positive number"}.get(kind, "a string")
+                raise PKError(f"environment variable {name}={raw!r} is not {want}") from None
+        return cls(**values)
+
+    @property
+    def wait_bound_s(self) -> float:
+        """How long a wait on a counter lasts before it gives up: PK_WAIT_TIMEOUT in debug mode, else PK_TIMEOUT."""
+        return self.wait_timeout_s if self.debug else self.timeout_s
+
+    def shared(self) -> tuple:
+        """The fields every rank must agree on (all of them: a job's ranks run under one environment)."""
+        return tuple((f.name, getattr(self, f.name)) for f in fields(self))
