@@ -33,36 +33,36 @@ SIZES = (4 << 10, 1 << 20)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
-def _round(fn, sync: bool) -> float:
+def _round(fn, sync: bool, calls: int = CALLS) -> float:
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(CALLS):
+    for _ in range(calls):
         fn()
     if sync:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
-    return elapsed * 1e6 / CALLS
+    return elapsed * 1e6 / calls
 
 
-def _in_turns(fns: dict, sync: bool) -> dict:
+def _in_turns(fns: dict, sync: bool, calls: int = CALLS) -> dict:
     """Median µs per call of each fn, rounds taken in turns so that a change of clocks weighs on all alike."""
     times = {name: [] for name in fns}
     for _ in range(ROUNDS):
         for name, fn in fns.items():
-            times[name].append(_round(fn, sync) if fn else None)
+            times[name].append(_round(fn, sync, calls) if fn else None)
     return {name: statistics.median(t) if t[0] is not None else None for name, t in times.items()}
 
 
-def _row(op: str, shape: str, ours: dict, torch_fn, sync_too: bool = True) -> dict:
+def _row(op: str, shape: str, ours: dict, torch_fn, sync_too: bool = True, calls: int = CALLS) -> dict:
     fns = {**ours, "torch": torch_fn}
     row = {"op": op, "shape": shape}
     for kind, sync in (("eager", True), ("issue", False)):
         if kind == "eager" and not sync_too:
             continue
-        for name, us in _in_turns(fns, sync).items():
+        for name, us in _in_turns(fns, sync, calls).items():
             row[f"{name}_{kind}_us"] = us
     return row
 
@@ -142,9 +142,11 @@ def _collectives(sync_too: bool) -> list[dict]:
     for name in COLLECTIVES:
         for size in SIZES:
             plain, in_place, theirs, ok, pt = _collective(name, size, ctx.local_world_size)
+            calls = CALLS
             if ctx.backend == "cuda-shared":
                 theirs = None  # gloo between processes on one GPU: no comparable baseline
-            row = _row(name, f"{size} B", {"ours": plain, "ours_parallel_tensor": in_place}, theirs, sync_too)
+                calls = 50  # each call waits for the GPU to switch between the ranks' processes (about 4.5 ms)
+            row = _row(name, f"{size} B", {"ours": plain, "ours_parallel_tensor": in_place}, theirs, sync_too, calls)
             rows.append({**row, "world_size": ctx.local_world_size, "backend": ctx.backend,
                          "check": "ok" if ok else "wrong result"})
             pk.sync()

@@ -102,11 +102,15 @@ def _wait(ptr, value, h, AT_LEAST: tl.constexpr):
         if not _reached(seen, value, AT_LEAST):
             _report_timeout(ptr, h, seen, value)
     tl.inline_asm_elementwise(ACQUIRE_PROXY_FENCE, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    # Every warp polls on its own: without the barrier, a warp that saw the value could reset the counter (the
+    # usual next step) while another still polls, and that one would spin until the timeout.
+    tl.debug_barrier()
 
 
 @triton.jit
 def wait(ptr, value, h):
-    """Spin until this rank's int32 counter at `ptr` equals `value` (acquire, system scope).
+    """Spin until this rank's int32 counter at `ptr` equals `value` (acquire, system scope), then meet the
+    program's other threads, so that every one of them has seen it before any resets it.
 
     `ptr` points into this rank's buffer of the parallel tensor whose handle is `h`. Leaves the counter as it
     is: the caller resets it (a plain store once no peer will signal it again in this round).

@@ -28,6 +28,12 @@ from ..runtime.errors import MismatchError, PKError
 P = TypeVar("P")
 
 
+def find(key: tuple):
+    """The plan built for `key`, or None: what every call does first, before making anything it might need to build
+    one."""
+    return context().plans.get(key)
+
+
 def get(key: tuple, build: Callable[[], P], check: Callable[[], str] | None = None, collective: bool = True) -> P:
     """The plan for `key` (its first element names the op), built by `build()` on first use.
 

@@ -104,12 +104,15 @@ def plan(x: torch.Tensor, op: str = "sum", *, zero_copy: bool | None = None) -> 
         raise PKError(f"all_reduce: op {op!r} is not supported; only 'sum'")
     if zero_copy is None:
         zero_copy = owner_of(x) is not None if isinstance(x, torch.Tensor) else False
+    key = ("all_reduce", getattr(x, "shape", None), getattr(x, "dtype", None), zero_copy)
+    found = plans.find(key)
+    if found is not None:
+        return found
 
     def check() -> str:
         check_input("all_reduce", x, FLOAT_DTYPES)
         return f"all_reduce of {tuple(x.shape)} {x.dtype}, zero_copy={zero_copy}"
 
-    key = ("all_reduce", getattr(x, "shape", None), getattr(x, "dtype", None), zero_copy)
     return plans.get(key, lambda: AllReducePlan(tuple(x.shape), x.dtype, zero_copy), check)
 
 

@@ -55,6 +55,9 @@ def plan(x: torch.Tensor, scatter_dim: int, gather_dim: int, *, zero_copy: bool 
     if zero_copy is None:
         zero_copy = isinstance(x, torch.Tensor) and owner_of(x) is not None
     key = ("all_to_all", getattr(x, "shape", None), getattr(x, "dtype", None), scatter_dim, gather_dim, zero_copy)
+    found = plans.find(key)
+    if found is not None:
+        return found
 
     def check() -> str:
         op = "all_to_all"

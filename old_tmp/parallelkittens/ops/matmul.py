@@ -1,0 +1,298 @@
+"""The single-GPU core of the fused ops: a persistent GEMM on tensor descriptors (TMA loads, wgmma on Hopper).
+
+One program per SM walks output tiles in grouped order (GROUP_M row tiles share a column of B in L2); each tile
+runs the k-loop `mainloop` below, which the fused ops reuse inside their LCSC roles. Inputs (M, K) @ (K, N),
+row-major, bf16, fp16 or fp32 (tf32 on the tensor cores), fp32 accumulation; M, N and K need not be multiples of
+the tiles (descriptors clip the edges), but rows must be 16-byte aligned for TMA (K and N multiples of 8 in
+16-bit types, of 4 in fp32).
+
+Reference point (digest §15.3, one H200): a plain persistent Triton GEMM with descriptors, 128x256x64 tiles,
+3 stages, 8 warps reached 701 TFLOP/s at 8192^3 bf16 against cuBLAS's 680; that is the default here.
+
+The descriptors of local tensors are made on the host (`descriptor`) and passed to the kernels as parameters,
+as cuBLAS passes its TMA maps. Made in the kernel (`tl.make_tensor_descriptor`), every program writes its maps to
+global memory and fences them before its first load: on an H200 that cost about 2 µs per launch (2048^3: 26.1
+against 23.8 µs per call; scripts/diagnose_gemm.py), a tenth of a small GEMM. On the host each costs about
+3.5 µs (building it, and Triton's launcher encoding it), which small GEMMs called eagerly pay; CUDA graphs do
+not. Descriptors over peers' memory are still made in the kernel, where the peer is known.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..language.signals import arrive
+from ..runtime.context import context
+from ..runtime.device import num_sms
+from ..runtime.errors import PKError
+from ..runtime.launch import launch
+from ..runtime.sizes import cdiv
+from . import matmul_pingpong
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32 runs as tf32 on the tensor cores
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """Tile sizes and pipelining of the GEMM; `validate` names a bad field."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+    flatten: bool = False  # the plain GEMM only: one flattened loop over tiles and k, so loads run ahead
+    splits: int = 1  # the plain GEMM only: programs per output tile, each a slice of the k-loop (split-K)
+    pingpong: bool = False  # the plain GEMM only, on Hopper in 16-bit: the warp-specialised Gluon kernel
+
+    def validate(self) -> MatmulConfig:
+        for field in ("block_m", "block_n", "block_k"):
+            value = getattr(self, field)
+            if value < 16 or value > 256 or value & (value - 1):  # TMA moves boxes of at most 256 per side
+                raise PKError(f"MatmulConfig.{field} must be a power of two from 16 to 256, got {value}")
+        if self.group_m < 1 or self.num_stages < 1 or self.num_warps not in (4, 8) or self.splits < 1:
+            raise PKError(f"MatmulConfig: group_m >= 1, num_stages >= 1, num_warps 4 or 8, splits >= 1; got {self}")
+        if self.pingpong and (self.block_m < 64 or self.block_m * self.block_n > 128 * 128 or self.splits > 1):
+            raise PKError(f"MatmulConfig: ping-pong tiles need block_m >= 64, block_m * block_n <= 128 * 128 (one "
+                          f"warp group's accumulator in registers) and no split; got {self}")
+        return self
+
+
+def default_config(dtype: torch.dtype = torch.bfloat16) -> MatmulConfig:
+    """The fused ops' tiles: 128x256x64 on a GPU (128x256x32 in fp32, whose tiles take twice the shared memory);
+    small ones under the interpreter, where every block op is a numpy call."""
+    if context().device.type != "cuda":
+        return MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_stages=1, num_warps=4)
+    return _gpu_default_config(dtype)
+
+
+@functools.cache
+def _gpu_default_config(dtype: torch.dtype) -> MatmulConfig:
+    return MatmulConfig(block_k=32 if dtype == torch.float32 else 64)
+
+
+def matmul_config(M: int, N: int, K: int, dtype: torch.dtype) -> MatmulConfig:
+    """The plain GEMM's tiles, from sweeps on an H200 (scripts/tune_matmul.py; figures against cuBLAS):
+
+    * 128x256 tiles in the flattened loop win or tie wherever they make more than half a wave;
+    * where they would leave half the SMs idle, 128x128 with 5 stages and 4 warps (4096x512x4096: 0.89-0.90
+      against 0.80); with more tiles 128x256 stays (2048^3: 256 tiles of 128x128 made two waves, 34.6 µs vs 27);
+    * where even 64x64 tiles make at most one wave, 64x64x128 with 4 stages (2048x256x2048: 0.80 against 0.59);
+    * a k-loop of at most 4 steps, where the epilogue is much of the time, on Hopper in 16-bit: the ping-pong
+      kernel, one consumer's epilogue under the other's MMAs (2048x2048x256: 0.84-0.87 against 0.80).
+      At K = 512 and above it only ties, and at 8192^3 it loses (0.99 against 1.04).
+    Split-K lost at every benchmark shape and is never chosen."""
+    if context().device.type != "cuda":
+        return default_config(dtype)
+    if cdiv(M, 64) * cdiv(N, 64) <= num_sms():
+        shape = "tiny"
+    elif K <= 256 and matmul_pingpong.usable(context().device, dtype):
+        shape = "short_k"
+    else:
+        shape = "few_tiles" if 2 * cdiv(M, 128) * cdiv(N, 256) <= num_sms() else "large"
+    return _gpu_matmul_config(shape, dtype)
+
+
+@functools.cache  # a call's host cost matters for small GEMMs: build each configuration once
+def _gpu_matmul_config(shape: str, dtype: torch.dtype) -> MatmulConfig:
+    cfg = replace(_gpu_default_config(dtype), flatten=True)
+    if shape == "tiny":
+        cfg = replace(cfg, block_m=64, block_n=64, block_k=64 if dtype == torch.float32 else 128,
+                      num_stages=4 if dtype == torch.float32 else 6, num_warps=4)
+    elif shape == "short_k":
+        cfg = replace(cfg, block_n=128, num_stages=4, num_warps=4, flatten=False, pingpong=True)
+    elif shape == "few_tiles":
+        cfg = replace(cfg, block_n=128, num_stages=6 if dtype != torch.float32 else 4, num_warps=4)
+    return cfg.validate()
+
+
+def reference_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in float64."""
+    return a.double() @ b.double()
+
+
+@triton.jit
+def tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile `tile` in grouped order."""
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % rows_in_group, (tile % per_group) // rows_in_group
+
+
+@triton.jit
+def mainloop(a_desc, b_desc, off_m, off_n, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             STAGES: tl.constexpr, off_k=0):
+    """The fp32 (BM, BN) tile of A[off_m:, off_k:off_k + K] @ B[off_k:off_k + K, off_n:]."""
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
+        acc = tl.dot(a_desc.load([off_m, off_k + k * BK]), b_desc.load([off_k + k * BK, off_n]), acc)
+    return acc
+
+
+@triton.jit
+def column_halves(acc, BM: tl.constexpr, BN: tl.constexpr):
+    """The (BM, BN/2) left and right halves of `acc`. An fp32 epilogue written in halves needs half the shared
+    memory (64 KB instead of 128 KB for a 128x256 tile), which is what lets it sit beside a 3-stage k-loop."""
+    return tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def store_tile(desc, tile, row, col, BM: tl.constexpr, BN: tl.constexpr):
+    """Store a (BM, BN) tile through `desc`, whose block is (BM, BN/2), one half at a time."""
+    left, right = column_halves(tile, BM, BN)
+    desc.store([row, col], left)
+    desc.store([row, col + BN // 2], right)
+
+
+@triton.jit
+def gemm_tile(a_desc, b_desc, M, N, K, tile, C):
+    """(fp32 tile, pid_m, pid_n) for output tile `tile`, in grouped order, of a @ b; the fused ops' consumer.
+    C = (BM, BN, BK, GROUP_M, STAGES, ...), read in place so its entries stay constexprs."""
+    pid_m, pid_n = tile_coords(tile, M, N, C[0], C[1], C[3])
+    return mainloop(a_desc, b_desc, pid_m * C[0], pid_n * C[1], K, C[0], C[1], C[2], C[4]), pid_m, pid_n
+
+
+@triton.jit
+def _matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   GROUP_M: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr):
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
+        acc = mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, STAGES)
+        store_tile(c_desc, acc.to(c_desc.dtype), pid_m * BM, pid_n * BN, BM, BN)
+
+
+@triton.jit
+def _matmul_split_k_kernel(a_desc, b_desc, c_desc, part_desc, arrived_ptr, M, N, K, BM: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+                           SPLITS: tl.constexpr):
+    """Split-K for GEMMs with few output tiles: SPLITS programs per tile, each a slice of the k-loop. Each stores
+    its fp32 partial (`part_desc`: SPLITS * tiles row blocks of (BM, BN)) and counts itself in the tile's arrival
+    counter; the last to arrive adds the others' partials, writes the tile and re-arms the counter. Nobody
+    waits, so the grid may exceed the SMs."""
+    tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    tile = tl.program_id(0) % tiles
+    split = tl.program_id(0) // tiles
+    pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
+    per_split = tl.cdiv(tl.cdiv(K, BK), SPLITS)
+    k_lo = tl.minimum(split * per_split * BK, K)
+    acc = mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, tl.minimum(k_lo + per_split * BK, K) - k_lo, BM, BN,
+                   BK, STAGES, k_lo)
+    store_tile(part_desc, acc, (split * tiles + tile) * BM, 0, BM, BN)
+    if arrive(arrived_ptr + tile) == SPLITS - 1:  # the last split of this tile: the others' partials are there
+        left, right = column_halves(acc, BM, BN)
+        for other in range(SPLITS):
+            if other != split:
+                row = (other * tiles + tile) * BM
+                left += part_desc.load([row, 0])
+                right += part_desc.load([row, BN // 2])
+        tl.store(arrived_ptr + tile, 0)  # every split of this tile has counted: the next call starts from zero
+        c_desc.store([pid_m * BM, pid_n * BN], left.to(c_desc.dtype))
+        c_desc.store([pid_m * BM, pid_n * BN + BN // 2], right.to(c_desc.dtype))
+
+
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over the contiguous, 16-byte aligned 2-D tensor `t` in blocks of `block` (powers of two
+    up to 256), made on the host (see the module's docstring). An empty `t` gets a descriptor over a small
+    placeholder: TMA refuses empty tensors, and the kernels never read a tensor with no rows or columns.
+
+    Built without `TensorDescriptor`'s own checks, which cost 3 µs per descriptor on the H200 machine's host
+    (a small GEMM makes three or four per call): `check_operands` and `MatmulConfig.validate` have done them."""
+    if t.numel() == 0:
+        key = ("descriptor_placeholder", t.dtype)
+        if key not in context().cache:  # one row of 16 bytes: the smallest tensor TMA takes
+            context().cache[key] = torch.zeros(1, 16 // t.element_size(), dtype=t.dtype, device=t.device)
+        t = context().cache[key]
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = t, t.shape, t.stride(), block, "zero"
+    return desc
+
+
+def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) -> None:
+    """Refuse operands the GEMM cannot take, naming what is required."""
+    device = context().device
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise PKError(f"{op}: {name} must be a 2-D torch.Tensor, got {getattr(t, 'shape', type(t).__name__)}")
+        if t.device != device:
+            raise PKError(f"{op}: {name} is on {t.device}, but this rank's device is {device}")
+        if t.dtype not in DTYPES:
+            raise PKError(f"{op}: {name} has dtype {t.dtype}; use bfloat16, float16 or float32")
+        if t.data_ptr() % 16:
+            raise PKError(f"{op}: {name} must start on a 16-byte boundary for TMA (a view with an odd offset?)")
+    if a.dtype != b.dtype:
+        raise PKError(f"{op}: a is {a.dtype} but b is {b.dtype}")
+    if a.shape[k_dim_a] != b.shape[0]:
+        raise PKError(f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    per_16_bytes = 16 // a.element_size()
+    if a.shape[1] % per_16_bytes or b.shape[1] % per_16_bytes:
+        raise PKError(f"{op}: rows must be 16-byte aligned for TMA: a's and b's column counts must be multiples "
+                      f"of {per_16_bytes} for {a.dtype} (a {tuple(a.shape)}, b {tuple(b.shape)})")
+
+
+def prepare(op: str, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None,
+            num_comm_sms: int | None = None, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor, MatmulConfig]:
+    """Check the operands (and `num_comm_sms`) on this rank before anything collective; return contiguous
+    operands and the validated configuration (with `plain`, the plain GEMM's choice for this shape)."""
+    check_operands(op, a, b)
+    if config is None and plain:
+        return a.contiguous(), b.contiguous(), matmul_config(a.shape[0], b.shape[1], a.shape[1], a.dtype)
+    if num_comm_sms is not None and not 1 <= num_comm_sms < num_sms():
+        raise PKError(f"{op}: num_comm_sms must be in [1, {num_sms() - 1}] on this device, got {num_comm_sms}")
+    return a.contiguous(), b.contiguous(), (config or default_config(a.dtype)).validate()
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:
+    """a @ b with the persistent descriptor GEMM: (M, K) @ (K, N) -> (M, N), fp32 accumulation. Not collective."""
+    a, b, cfg = prepare("matmul", a, b, config, plain=True)
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    if c.numel() == 0 or K == 0:
+        return c.zero_()
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+    if cfg.pingpong and matmul_pingpong.usable(a.device, a.dtype):
+        # 4 warps per consumer, and the register budget the three roles share (168 x 384 threads = the SM's 64K)
+        launch(matmul_pingpong._pingpong_kernel, (min(num_sms(), tiles),),
+               *matmul_pingpong.descriptors(a, b, c, cfg.block_m, cfg.block_n, cfg.block_k), M, N, K,
+               GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=4, maxnreg=168, key=(M, N, K, a.dtype, cfg))
+        return c
+    a_desc = descriptor(a, [cfg.block_m, cfg.block_k])
+    b_desc = descriptor(b, [cfg.block_k, cfg.block_n])
+    c_desc = descriptor(c, [cfg.block_m, cfg.block_n // 2])
+    if cfg.splits > 1:
+        part, arrived = _split_k_scratch(cfg, tiles)
+        part_desc = descriptor(part[:cfg.splits * tiles * cfg.block_m * cfg.block_n].view(-1, cfg.block_n),
+                               [cfg.block_m, cfg.block_n // 2])
+        launch(_matmul_split_k_kernel, (tiles * cfg.splits,), a_desc, b_desc, c_desc, part_desc, arrived, M, N, K,
+               BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+               SPLITS=cfg.splits, num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
+        return c
+    launch(_matmul_kernel, (min(num_sms(), tiles),), a_desc, b_desc, c_desc, M, N, K, BM=cfg.block_m,
+           BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, FLATTEN=cfg.flatten,
+           num_warps=cfg.num_warps, key=(M, N, K, a.dtype, cfg))
+    return c
+
+
+def _split_k_scratch(cfg: MatmulConfig, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K's fp32 partials and zeroed arrival counters, kept per stream (kernels on two streams may overlap)
+    and grown as needed; a CUDA-graph capture that needs more gets its own, which the graph keeps."""
+    stream = torch.cuda.current_stream() if context().device.type == "cuda" else None
+    key = ("split_k", stream.stream_id if stream is not None else 0)
+    need = (cfg.splits * tiles * cfg.block_m * cfg.block_n, tiles)
+    have = context().cache.get(key)
+    if have is None or have[0].numel() < need[0] or have[1].numel() < need[1]:
+        have = (torch.empty(need[0], dtype=torch.float32, device=context().device),
+                torch.zeros(need[1], dtype=torch.int32, device=context().device))
+        if stream is None or not torch.cuda.is_current_stream_capturing():
+            context().cache[key] = have
+    return have

@@ -1,0 +1,320 @@
+"""Process bootstrap: one context per rank, its backend, its process groups, and teardown.
+
+A rank is one process. `init()` reads the torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), checks that every rank joined, sets up torch.distributed and
+returns the `Context`. Peers are the ranks of one node: parallel tensors span `Context.node_group`, so a
+world of several nodes can run node-local kernels and use NCCL between nodes.
+
+Backends:
+
+* ``cuda``: one GPU per rank, NCCL for `Context.group`, gloo for control messages.
+* ``cuda-shared``: several ranks (processes) on one GPU, gloo only (NCCL refuses two ranks on one GPU).
+  Correct but not fast: the ranks' kernels time-slice.
+* ``cpu``: kernels run under Triton's interpreter (TRITON_INTERPRET=1), gloo, shared-memory files.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .errors import MismatchError, PKError, WaitTimeoutError, error_from_record
+
+BACKENDS = ("cuda", "cuda-shared", "cpu")
+
+# NVLink multicast (NVLS) can take a shared host's GPUs out of service; nothing here uses it, and nothing we
+# start may turn it on.
+_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+DEFAULT_JOIN_TIMEOUT_S = 60.0
+DEFAULT_WAIT_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Context:
+    """What `init()` returns: this rank's place in the world and the groups it talks through.
+
+    `rank`/`world_size` are global; `local_rank`/`local_world_size` count the ranks of this node, which are
+    the peers of every parallel tensor. `group` carries data (NCCL on ``cuda``, gloo otherwise); `cpu_group`
+    (gloo) carries control messages; `node_group` (gloo) is the node's ranks.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    group: dist.ProcessGroup
+    cpu_group: dist.ProcessGroup
+    node_group: dist.ProcessGroup
+    debug: bool
+    wait_timeout_s: float
+    job_id: str
+    debug_record: torch.Tensor = field(repr=False)
+    _barrier: object = field(default=None, repr=False)
+    # What ops keep between calls (workspaces, symmetric buffers): it dies with the context.
+    cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def node_rank(self) -> int:
+        """Index of this rank's node (ranks are laid out node by node)."""
+        return self.rank // self.local_world_size
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes in the world."""
+        return self.world_size // self.local_world_size
+
+
+_CTX: Context | None = None
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise PKError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def interpreting() -> bool:
+    """True when Triton kernels defined now run under the interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def choose_backend(local_world_size: int, requested: str | None = None) -> str:
+    """The backend for `local_world_size` ranks on this machine: `requested`, else PK_BACKEND, else the best
+    that runs (a GPU per rank, else ranks sharing a GPU, else the CPU interpreter)."""
+    name = requested or os.environ.get("PK_BACKEND") or None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if name is None:
+        name = "cpu" if gpus == 0 or interpreting() else ("cuda" if gpus >= local_world_size else "cuda-shared")
+    if name not in BACKENDS:
+        raise PKError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "cuda" and gpus < local_world_size:
+        raise PKError(
+            f"backend 'cuda' needs one GPU per local rank: {local_world_size} local ranks but {gpus} GPU(s) here; "
+            "use backend 'cuda-shared' to run several ranks on one GPU"
+        )
+    if name == "cuda-shared" and gpus == 0:
+        raise PKError("backend 'cuda-shared' needs a GPU, and none is visible here; use backend 'cpu'")
+    if name == "cpu" and not interpreting():
+        raise PKError(
+            "backend 'cpu' runs kernels under Triton's interpreter: set TRITON_INTERPRET=1 before importing "
+            "triton and parallelkittens (it is set for you on machines without CUDA)"
+        )
+    if name != "cpu" and interpreting():
+        raise PKError(f"backend {name!r} compiles kernels, but TRITON_INTERPRET=1 is set; use backend 'cpu'")
+    return name
+
+
+def _join(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Every rank announces itself; fail with the missing ranks named instead of hanging."""
+    store.set(f"joined/{rank}", "1")
+    keys = [f"joined/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception:  # the store raises its own timeout types, which differ across torch versions
+        missing = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
+        raise PKError(
+            f"rank {rank}: waited {timeout_s:g} s for all {world_size} ranks to join, but rank(s) "
+            f"{missing} never called pk.init()"
+        ) from None
+
+
+def _make_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = _env_int("MASTER_PORT", 0)
+    if world_size == 1 and port == 0:
+        port = _free_port()
+    if port == 0:
+        raise PKError(f"rank {rank}: MASTER_PORT is not set; start ranks with torchrun or pk.spawn")
+    # Under torchrun the agent already serves the store at MASTER_PORT.
+    serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        store = dist.TCPStore(
+            addr, port, world_size, is_master=serve, timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except Exception as e:
+        raise PKError(f"rank {rank}: could not reach the rendezvous store at {addr}:{port} ({e})") from None
+    return dist.PrefixStore("pk", store)
+
+
+def init(backend: str | None = None, *, join_timeout: float | None = None) -> Context:
+    """Join the world and return this rank's `Context`. Idempotent: later calls return the same context.
+
+    Works in a process started by torchrun or `pk.spawn`, and in a lone process (a world of one).
+    `backend` (or PK_BACKEND) picks ``cuda``, ``cuda-shared`` or ``cpu``; by default the best one that runs.
+    `join_timeout` (seconds; PK_JOIN_TIMEOUT) bounds the wait for every rank to join.
+    """
+    global _CTX
+    if _CTX is not None:
+        if backend is not None and backend != _CTX.backend:
+            raise PKError(f"pk.init(backend={backend!r}) after this rank already initialised as {_CTX.backend!r}")
+        return _CTX
+    from ..language import signals
+
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if not (0 <= rank < world_size and 0 <= local_rank < local_world_size <= world_size):
+        raise PKError(f"bad rank layout: RANK={rank} WORLD_SIZE={world_size} LOCAL_RANK={local_rank} "
+                      f"LOCAL_WORLD_SIZE={local_world_size}")
+    if world_size % local_world_size or rank % local_world_size != local_rank:
+        raise PKError(f"rank {rank}: ranks must be laid out node by node with {local_world_size} per node "
+                      f"(LOCAL_RANK={local_rank}, WORLD_SIZE={world_size})")
+    join_timeout = join_timeout or float(os.environ.get("PK_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT_S))
+    name = choose_backend(local_world_size, backend)
+
+    if name != "cpu":
+        for key, value in _MULTICAST_OFF.items():
+            os.environ[key] = value
+        if name == "cuda-shared":
+            os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        index = local_rank if name == "cuda" else local_rank % torch.cuda.device_count()
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        from . import interpreter
+
+        interpreter.install()
+
+    store = _make_store(rank, world_size, join_timeout)
+    _join(store, rank, world_size, join_timeout)
+    timeout = datetime.timedelta(seconds=max(join_timeout, 60.0))
+    pg_backend = "cpu:gloo,cuda:nccl" if name == "cuda" else "gloo"
+    kwargs = {"device_id": device} if name == "cuda" else {}
+    dist.init_process_group(pg_backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
+                            timeout=timeout, **kwargs)
+    world = dist.group.WORLD
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if name == "cuda" else world
+    node_group = cpu_group
+    if local_world_size != world_size:
+        for node in range(world_size // local_world_size):
+            ranks = list(range(node * local_world_size, (node + 1) * local_world_size))
+            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if rank in ranks:
+                node_group = group
+
+    # Every rank must agree on how the job runs; say so on every rank if not.
+    mine = (name, local_world_size, bool(signals.DEBUG), device.type)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=cpu_group)
+    if any(other != mine for other in everyone):
+        rows = ", ".join(f"rank {r}: {e}" for r, e in enumerate(everyone))
+        dist.destroy_process_group()
+        raise PKError(f"ranks disagree on (backend, local world size, PK_DEBUG, device type): {rows}")
+
+    job_id = os.environ.get("PK_JOB_ID") or f"{os.getpid()}"
+    ids: list = [None]
+    if rank == 0:
+        ids = [job_id]
+    dist.broadcast_object_list(ids, src=0, group=cpu_group)
+    _CTX = Context(
+        rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size, device=device,
+        backend=name, group=world, cpu_group=cpu_group, node_group=node_group, debug=bool(signals.DEBUG),
+        wait_timeout_s=float(os.environ.get("PK_WAIT_TIMEOUT", DEFAULT_WAIT_TIMEOUT_S)), job_id=ids[0],
+        debug_record=torch.zeros(8, dtype=torch.int64, device=device),
+    )
+    if device.type == "cuda":
+        _install_triton_allocator()
+    else:
+        interpreter.register_buffer(_CTX.debug_record)  # kernels reach it through the handle, not an argument
+    atexit.register(finalize)
+    return _CTX
+
+
+def _install_triton_allocator() -> None:
+    import triton
+
+    per_stream: dict[int | None, torch.Tensor] = {}
+
+    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        # Device-side tensor descriptors (TMA) need global scratch for the descriptors themselves, asked for at
+        # every launch. Launches on one stream run one after another, so one buffer per stream serves them all:
+        # a fresh torch.empty per launch cost about 2 µs of host time. A CUDA-graph capture gets fresh buffers,
+        # which the graph's memory pool keeps for the graph (a cached one could be in use by eager launches).
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty(size, dtype=torch.int8, device="cuda")
+        buf = per_stream.get(stream)
+        if buf is None or buf.numel() < size:
+            buf = per_stream[stream] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
+        return buf
+
+    triton.set_allocator(alloc)
+
+
+def context() -> Context:
+    """The context of this rank; raises if `init()` has not run."""
+    if _CTX is None:
+        raise PKError("parallelkittens is not initialised on this rank: call pk.init() first")
+    return _CTX
+
+
+def is_initialized() -> bool:
+    """True once `init()` has run on this rank (and `finalize()` has not)."""
+    return _CTX is not None
+
+
+def check_errors() -> None:
+    """Raise what a kernel of this rank recorded: `WaitTimeoutError` for a bounded wait that gave up
+    (PK_DEBUG=1), `MismatchError` for a collective whose ranks disagreed. Synchronises with the device."""
+    ctx = context()
+    record = ctx.debug_record.tolist()
+    if record[0] != 0:
+        ctx.debug_record.zero_()
+        raise error_from_record(record)
+
+
+def sync() -> None:
+    """Wait for this rank's device work, then for every rank. An error a kernel recorded on any rank (a wait
+    that timed out, a collective called differently) raises on every rank."""
+    ctx = context()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    error = None
+    try:
+        check_errors()
+    except PKError as e:
+        error = e
+    errors: list = [None] * ctx.world_size
+    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)),
+                           group=ctx.cpu_group)
+    found = [e for e in errors if e is not None]
+    if found:
+        kind = MismatchError if any(name == "MismatchError" for name, _ in found) else WaitTimeoutError
+        raise kind("; ".join(message for _, message in found))
+
+
+def finalize() -> None:
+    """Free the context's resources and leave the process groups. Safe to call twice."""
+    global _CTX
+    if _CTX is None:
+        return
+    from . import launch
+    from .memory import _free_all
+
+    _CTX.cache.clear()
+    launch._compiled.clear()  # keyed by calls whose values (world size, rank) a new context may change
+    _free_all()
+    _CTX = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,174 @@
+"""Compile the primitives' kernels for a GPU target without a GPU and report what the PTX carries.
+
+    TRITON_INTERPRET=0 python -m parallelkittens.testing.compile_check [--arch 90]
+
+prints one JSON object: {"markers": kernel name -> the memory-ordering markers found in its PTX, "shared":
+kernel name -> bytes of shared memory it needs}. The tests check that signals release and waits acquire at
+system scope, that bulk tensor copies are waited for before a signal, that the bounded wait (a timer read)
+exists only with PK_DEBUG=1, and that every kernel fits in an H100/H200 SM's shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+MARKERS = {
+    "release_sys_atomic": ("atom.release.sys", "red.release.sys", "atom.global.release.sys", "red.global.release.sys",
+                           "atom.sys.release", "red.sys.release", "atom.global.sys.release", "red.global.sys.release"),
+    "relaxed_sys_add": ("red.global.sys.relaxed.add", "atom.global.sys.relaxed.add"),
+    "acquire_sys_load": ("ld.global.acquire.sys", "ld.acquire.sys"),
+    "fence_sys": ("fence.acq_rel.sys",),
+    "bulk_wait": ("cp.async.bulk.wait_group 0",),
+    "proxy_fence": ("fence.proxy.async.global",),
+    "tma_store": ("cp.async.bulk.tensor",),
+    "tma_reduce": ("cp.reduce.async.bulk.tensor",),
+    "setmaxnreg": ("setmaxnreg.",),
+    "acq_rel_gpu_atomic": ("atom.global.gpu.acq_rel", "atom.global.acq_rel.gpu", "atom.acq_rel.gpu"),
+    "globaltimer": ("%globaltimer",),
+    "wgmma": ("wgmma.mma_async",),
+    "vector_loads": ("ld.global.v4",),
+}
+
+
+def _kernels():
+    import torch
+
+    from ..ops import matmul_pingpong
+    from ..ops._collective import _agree_kernel, _pull_kernel
+    from ..ops.barrier import _barrier_kernel
+    from ..template import example
+    from . import primitive_checks as pc
+
+    i64 = "*i64"
+    GEMM = {"BM": 128, "BN": 256, "BK": 64, "GROUP_M": 8, "STAGES": 3}
+    # what a launch specializes when pointers and sizes are multiples of 16 (the usual case)
+    ALIGNED = ("src_ptr", "out_ptr", "limit", "C", "ss0", "ss1", "ss2", "ds0", "ds1", "ds2", "src_me", "src_r",
+               "dst_me", "dst_r")
+    PULL = {"src_ptr": "*bf16", "h": i64, "out_ptr": "*bf16", "ctr_ptr": "*i32", "hc": i64, "meta_ptr": i64,
+            "hm": i64, "sig": "i64", "limit": "i64",
+            **{k: "i32" for k in ("R0", "R1", "R2", "C", "ss0", "ss1", "ss2", "ds0", "ds1", "ds2", "src_me", "src_r",
+                                  "dst_me", "dst_r")}, "REDUCE": "constexpr", "BR": "constexpr", "BC": "constexpr",
+            "LIMIT": "constexpr"}
+    kernels = {
+        "signal_wait": (pc._signal_wait_kernel, {"src_ptr": "*fp32", "inbox_ptr": "*fp32", "h": i64,
+                                                 "flags_ptr": "*i32", "hf": i64, "out_ptr": "*fp32", "n": "i32",
+                                                 "BLOCK": "constexpr"}, {"BLOCK": 256}),
+        "signal_all": (pc._signal_all_kernel, {"flags_ptr": "*i32", "hf": i64}, {}),
+        "barrier_all": (_barrier_kernel, {"counter_ptr": "*i32", "h": i64}, {}),
+        "store_add": (pc._store_add_kernel, {"src_ptr": "*bf16", "acc_ptr": "*bf16", "h": i64, "n": "i32",
+                                             "BLOCK": "constexpr"}, {"BLOCK": 256}),
+        "all_reduce": (pc._all_reduce_kernel, {"x_ptr": "*bf16", "h": i64, "n": "i32", "BLOCK": "constexpr"},
+                       {"BLOCK": 256}),
+        "tma_store": (pc._tma_kernel, {"src_ptr": "*bf16", "y_ptr": "*bf16", "h": i64, "M": "i32", "N": "i32",
+                                       "ADD": "constexpr", "BM": "constexpr", "BN": "constexpr"},
+                      {"ADD": False, "BM": 64, "BN": 64}),
+        "tma_store_add": (pc._tma_kernel, {"src_ptr": "*fp32", "y_ptr": "*fp32", "h": i64, "M": "i32", "N": "i32",
+                                           "ADD": "constexpr", "BM": "constexpr", "BN": "constexpr"},
+                          {"ADD": True, "BM": 64, "BN": 64}),
+        "agreement": (_agree_kernel, {"ctr_ptr": "*i32", "hc": i64, "slots_ptr": "*i64", "hs": i64,
+                                      "skip_ptr": "*i32", "sig": "i64"}, {}),
+        "collective_pull": (_pull_kernel, PULL, {"REDUCE": True, "BR": 4, "BC": 1024, "LIMIT": True}, ALIGNED),
+        "collective_pull_copy": (_pull_kernel, PULL, {"REDUCE": False, "BR": 1, "BC": 4096, "LIMIT": False},
+                                 ALIGNED),
+        "lcsc_example": (example._scaled_all_gather_kernel,
+                         {"x_ptr": "*bf16", "out_ptr": "*bf16", "h": i64, "counters_ptr": "*i32", "hc": i64,
+                          "alpha": "fp32", "M": "i32", "N": "i32", "num_tasks": "i32",
+                          "num_comm": "i32", "BM": "constexpr", "BN": "constexpr"},
+                         {"BM": 32, "BN": 64}),
+    }
+    kernels.update(_gemm_kernels("bf16", GEMM))
+    kernels.update({name + "_fp32": kernel for name, kernel in _gemm_kernels("fp32", {**GEMM, "BK": 32}).items()
+                    if name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul", "matmul_all_reduce")})
+    narrow = {**GEMM, "BN": 128, "STAGES": 5}  # matmul_config's choice when tiles are few
+    kernels["matmul_narrow"] = _gemm_kernels("bf16", narrow)["matmul"]
+    kernels["matmul_narrow_fp32"] = _gemm_kernels("fp32", {**narrow, "BK": 32, "STAGES": 4})["matmul"]
+    kernels["matmul_split_k"] = _gemm_kernels("bf16", {**GEMM, "BN": 128, "STAGES": 4})["matmul_split_k"]
+    if matmul_pingpong.AVAILABLE:
+        a_layout, b_layout, c_layout = matmul_pingpong.layouts(torch.bfloat16, 128, 128, 64)
+        pingpong = {"a_desc": _desc("bf16", 128, 64, a_layout), "b_desc": _desc("bf16", 64, 128, b_layout),
+                    "c_desc": _desc("bf16", 128, 128, c_layout), "M": "i32", "N": "i32", "K": "i32",
+                    "GROUP_M": "constexpr", "STAGES": "constexpr"}
+        kernels["matmul_pingpong"] = (matmul_pingpong._pingpong_kernel, pingpong, {"GROUP_M": 8, "STAGES": 5})
+    return kernels
+
+
+def _desc(dtype: str, rows: int, cols: int, layout=None) -> str:
+    """The signature of a host tensor descriptor argument with (rows, cols) blocks (Gluon's carry a layout)."""
+    return f"tensordesc<{dtype}[{rows}, {cols}]" + (f",{layout!r}>" if layout is not None else ">")
+
+
+def _gemm_kernels(dtype: str, gemm: dict) -> dict:
+    """The GEMM kernels and the fused ops' kernels with `dtype` operands and `gemm`'s tiles."""
+    from ..ops.all_gather_matmul import _ag_matmul_kernel
+    from ..ops.matmul import _matmul_kernel, _matmul_split_k_kernel
+    from ..ops.matmul_all_reduce import _mm_ar_kernel
+    from ..ops.matmul_reduce_scatter import _mm_rs_kernel
+
+    bm, bn, bk = gemm["BM"], gemm["BN"], gemm["BK"]
+    a, b, half, ptr = _desc(dtype, bm, bk), _desc(dtype, bk, bn), _desc(dtype, bm, bn // 2), "*" + dtype
+    consts = {k: "constexpr" for k in gemm}
+    ints = lambda *names: {k: "i32" for k in names}
+    return {
+        "matmul": (_matmul_kernel, {"a_desc": a, "b_desc": b, "c_desc": half, **ints("M", "N", "K"), **consts,
+                                    "FLATTEN": "constexpr"}, {**gemm, "FLATTEN": True}),
+        "matmul_split_k": (_matmul_split_k_kernel, {"a_desc": a, "b_desc": b, "c_desc": half,
+                                                    "part_desc": _desc("fp32", bm, bn // 2), "arrived_ptr": "*i32",
+                                                    **ints("M", "N", "K"), **consts, "SPLITS": "constexpr"},
+                           {**gemm, "SPLITS": 4}),
+        "all_gather_matmul": (_ag_matmul_kernel, {
+            "a_desc": a, "a_ptr": ptr, "a_full_ptr": ptr, "a_full_desc": a, "b_desc": b, "c_desc": half,
+            "flags_ptr": "*i32", "hf": "*i64", "h": "*i64", **ints("m_local", "M", "N", "K", "num_tasks",
+                                                                   "num_comm_tasks", "num_comm"),
+            "skip_ptr": "*i32", **ints("rank", "world"), **consts, "BK_COPY": "constexpr"}, {**gemm, "BK_COPY": 64}),
+        "matmul_reduce_scatter": (_mm_rs_kernel, {
+            "a_desc": a, "b_desc": b, "buf_ptr": ptr, "hb": "*i64", "buf_desc": half, "ctr_ptr": "*i32",
+            "hc": "*i64", "out_desc": half, **ints("M", "N", "K", "m_block", "per_owner"), "skip_ptr": "*i32",
+            **ints("rank", "world"), **consts}, gemm),
+        "matmul_all_reduce": (_mm_ar_kernel, {
+            "a_desc": a, "b_desc": b, "buf_ptr": ptr, "hb": "*i64", "buf_desc": half, "res_ptr": ptr, "hr": "*i64",
+            "res_desc": half, "out_desc": half, "hc": "*i64", **ints("M", "N", "K"), "ctr_ptr": "*i32",
+            **ints("tiles", "num_comm_tasks", "num_comm"), "skip_ptr": "*i32",
+            **ints("rank", "world"), **consts}, gemm),
+    }
+
+
+def _gluon_source():
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return GluonASTSource
+
+
+def compile_all(arch: int) -> dict[str, dict]:
+    """Compile every kernel of `_kernels()` for CUDA `arch`: the markers each one's PTX contains, and the
+    shared memory each one needs (bytes)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    found, shared = {}, {}
+    for name, (fn, signature, constexprs, *aligned) in _kernels().items():
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (aligned[0] if aligned else ())}
+        gluon = type(fn).__name__ == "GluonJITFunction"  # the Hopper ping-pong GEMM (ops/matmul_pingpong.py)
+        src = (_gluon_source() if gluon else ASTSource)(fn, signature, constexprs, attrs=attrs)
+        gemm = "BM" in constexprs and constexprs.get("BN") == 256
+        options = {"num_warps": 4, "maxnreg": 168} if gluon else {"num_warps": 8} if gemm else {}
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        ptx = kernel.asm["ptx"]
+        found[name] = sorted(m for m, needles in MARKERS.items() if any(n in ptx for n in needles))
+        shared[name] = int(kernel.metadata.shared)
+    return {"markers": found, "shared": shared}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("run with TRITON_INTERPRET=0: this compiles for a GPU")
+    print(json.dumps(compile_all(args.arch)))
+
+
+if __name__ == "__main__":
+    main()
