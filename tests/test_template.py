@@ -123,13 +123,13 @@ def _verdicts() -> list[list[int]]:
 
 @pytest.mark.parametrize("world", worlds("1,2,3"))
 def test_the_verdict_gates_storers_and_communicators(world):
-    """Ranks that disagree: every consumer still runs once per task, but no storer and no communicator does, and
-    `pk.sync()` raises MismatchError; ranks that agree run everything. The finisher runs once per rank."""
+    """Ranks that disagree: every consumer still runs once per task, but no storer, no communicator and no finisher
+    does, and `pk.sync()` raises MismatchError; ranks that agree run everything, the finisher once per rank."""
     tasks = 7
     for rows in pk.spawn(_verdicts, world):
         for call, row in enumerate(rows):
             runs = 0 if call == 1 and world > 1 else 1
             consumed, stored, communicated, finished = row[:4]
-            assert consumed == [1] * tasks and finished == [1], row
+            assert consumed == [1] * tasks and finished == [runs], row
             assert stored == [runs] * tasks and communicated == [runs] * tasks, (call, row)
             assert (row[4:] == ["MismatchError"]) == (runs == 0), row

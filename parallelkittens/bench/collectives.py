@@ -223,7 +223,7 @@ def _rank(name: str, dtype_name: str) -> list[dict]:
             if row["ours_graph_ms"] and row["torch_distributed_graph_ms"]:
                 row["vs_torch_distributed_graph"] = row["torch_distributed_graph_ms"] / row["ours_graph_ms"]
         if name == "all_reduce":
-            from ..ops.all_reduce import algorithm
+            from ..ops.collectives.all_reduce import algorithm
 
             row["algorithm"] = algorithm(size, world)
             for kind in ("one_shot", "two_shot"):

@@ -121,8 +121,8 @@ def wait(ptr, value, h):
 @triton.jit
 def wait_at_least(ptr, value, h):
     """Like `wait`, until the counter is at least `value`: for counters that only grow, where a fast peer may
-    already have signalled the next round (not one of the paper's eight; `barrier_all` and the collectives'
-    epoch counters use it)."""
+    already have signalled the next round (not one of the paper's eight; `barrier_all` and the meeting's
+    arrivals use it)."""
     _wait(ptr, value, h, True)
 
 
@@ -148,7 +148,7 @@ def signal_all(ptr, h, value=1):
 @triton.jit
 def arrive(ptr, value=1):
     """Add `value` to this rank's int32 counter at `ptr` and return what it held before: the per-block arrival
-    count for work split across programs of one kernel, where the last to arrive finishes the block (split-K).
+    count for work split across programs of one kernel, where the last to arrive finishes the work (the meeting's end).
 
     Release, then acquire: this program's writes (bulk copies included) are visible before the count changes,
     and a program that sees the others' counts sees their writes, tensor-descriptor loads included. Not one of

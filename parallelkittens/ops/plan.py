@@ -24,14 +24,18 @@ from typing import Any, TypeVar
 
 from ..runtime.context import context, exchange
 from ..runtime.errors import MismatchError, PKError
+from ..template.meeting import meeting
 
 P = TypeVar("P")
 
 
 def find(key: tuple):
     """The plan built for `key`, or None: what every call does first, before making anything it might need to build
-    one."""
-    return context().plans.get(key)
+    one. After a wait gave up, the job's counters are out of step: every call is refused."""
+    ctx = context()
+    if ctx.broken:
+        raise PKError(f"rank {ctx.rank}: this job can no longer run ops: {ctx.broken}")
+    return ctx.plans.get(key)
 
 
 def get(key: tuple, build: Callable[[], P], check: Callable[[], str] | None = None, collective: bool = True) -> P:
@@ -48,19 +52,21 @@ def get(key: tuple, build: Callable[[], P], check: Callable[[], str] | None = No
     error = None
     try:
         description = check() if check is not None else repr(key[1:])
-    except PKError as e:
+    except Exception as e:  # noqa: BLE001 - whatever it is, the peers must hear of it before this rank leaves
         error, description = e, None
     if collective and ctx.local_world_size > 1:
         agree(op, description, error)
     if error is not None:
         raise error
+    if collective:
+        meeting()  # the first heap block, whichever op or barrier comes first on a rank
     plan = build()
     ctx.stats["plans"] += 1
     ctx.plans[key] = plan
     return plan
 
 
-def agree(op: str, description: str | None, error: PKError | None = None) -> None:
+def agree(op: str, description: str | None, error: Exception | None = None) -> None:
     """Compare every rank's description of a call on the host; raise on every rank if any rank's is an error or
     differs from the others'."""
     ctx = context()
@@ -74,6 +80,13 @@ def agree(op: str, description: str | None, error: PKError | None = None) -> Non
     if any(d != description for d, _ in everyone):
         calls = "; ".join(f"rank {r}: {d}" for r, (d, _) in enumerate(everyone))
         raise MismatchError(f"{op}: ranks called it differently: {calls}")
+
+
+def refuse(meetings: int, error: Exception) -> None:
+    """A plan's call failed its checks on this rank: meet as often as the call would have (so the peers' kernels
+    learn of it and every rank's epoch stays in step; `template/meeting.py`), then raise `error`."""
+    meeting().refuse(meetings)
+    raise error
 
 
 def attach(op: Callable[..., Any], plan: Callable[..., Any]) -> None:

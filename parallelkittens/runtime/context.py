@@ -64,6 +64,8 @@ class Context:
     # How often the expensive host steps ran: plans built, host agreements, tunings, symmetric allocations.
     stats: collections.Counter = field(default_factory=collections.Counter, repr=False)
     _finalizers: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    # Set when a wait gave up: the ranks' counters are out of step, so no op may run again (`pk.sync()` sets it).
+    broken: str = ""
 
     @property
     def node_rank(self) -> int:

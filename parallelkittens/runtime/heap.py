@@ -10,8 +10,9 @@ Two kinds of memory:
   captured with it, stays valid. Growing in powers of two keeps what is kept under the final size.
 
 Every rank must allocate the same blocks and pools in the same order: plans are built collectively, after the
-ranks agreed on the call, which guarantees it. Memory is zeroed when a segment is made and never reused
-for another purpose, so a block starts at zero on every rank before any peer can write into it.
+ranks agreed on the call, which guarantees it. Block segments are zeroed when made and a block is never handed
+out twice, so a block starts at zero on every rank before any peer can write into it. A pool made with `zero`
+starts zeroed and its users leave it so; other pools hold whatever their last user left.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Block:
         self.segment = segment
         self.offset = offset
         self.nbytes = nbytes
+        self.zeroed = True
 
     @property
     def handle(self) -> torch.Tensor:
@@ -75,6 +77,7 @@ class Heap:
         self._small: ParallelTensor | None = None
         self._used = 0
         self._pools: dict[str, Block] = {}
+        self._named: list[tuple[str, Block]] = []  # for error messages: which block an address falls in
 
     def allocate(self, nbytes: int, name: str) -> Block:
         """A zeroed block of at least `nbytes`, kept for the context's life. Collective (same order everywhere)."""
@@ -85,6 +88,7 @@ class Heap:
             self._used = 0
         block = Block(self._small, self._used, nbytes)
         self._used += nbytes
+        self._named.append((name, block))
         return block
 
     def pool(self, name: str, nbytes: int, zero: bool = False) -> Block:
@@ -92,12 +96,25 @@ class Heap:
         must not use it at the same time. With `zero`, the buffer starts zeroed, and its users must leave it so.
         Collective when it grows (same order everywhere)."""
         block = self._pools.get(name)
+        if block is not None and block.zeroed != zero:
+            raise ValueError(f"pool {name!r} was made {'zeroed' if block.zeroed else 'unzeroed'}; asked for {zero}")
         if block is None or block.nbytes < nbytes:
             size = 1 << math.ceil(math.log2(max(nbytes, SEGMENT_BYTES)))
             self._ctx.stats["heap_pools"] += 1
             segment = self._segment(size, f"heap.{name}", zero)
             block = self._pools[name] = Block(segment, 0, size)
+            block.zeroed = zero
+            self._named.append((name, block))
         return block
+
+    def describe(self, address: int) -> str | None:
+        """Name the heap int32 counter at `address`, e.g. ``meeting[2] of rank 1`` (None outside the heap)."""
+        for name, block in reversed(self._named):
+            for rank, base in enumerate(block.segment._bases if block.segment._peers is not None else []):
+                start = base + block.offset
+                if start <= address < start + block.nbytes:
+                    return f"{name}[{(address - start) // 4}] of rank {rank}"
+        return None
 
     def _segment(self, nbytes: int, name: str, zero: bool = True) -> ParallelTensor:
         segment = (zeros if zero else empty)(nbytes, torch.uint8, name=name)
@@ -108,6 +125,7 @@ class Heap:
         """Forget every segment (the context is ending; the parallel tensors are freed with it)."""
         self._segments.clear()
         self._pools.clear()
+        self._named.clear()
         self._small = None
 
 

@@ -7,6 +7,7 @@ import torch
 
 from .context import context, exchange
 from .errors import MismatchError, PKError, WaitTimeoutError, error_from_record
+from .heap import heap
 from .memory import describe_address
 
 
@@ -17,7 +18,13 @@ def check_errors() -> None:
     record = ctx.debug_record.tolist()
     if record[0] != 0:
         ctx.debug_record.zero_()
-        raise error_from_record(record, describe_address)
+        in_heap = heap().describe(record[2]) if "heap" in ctx.cache else None
+        error = error_from_record(record, lambda address: f"counter {in_heap}" if in_heap else
+                                  describe_address(address))
+        if isinstance(error, WaitTimeoutError) and in_heap:
+            # an op's own counters (the meeting's, flags): the ranks are out of step for good
+            ctx.broken = f"a wait of an op gave up ({error}); finalize the ranks and start the job again"
+        raise error
 
 
 def sync() -> None:
@@ -34,5 +41,6 @@ def sync() -> None:
     errors = exchange("pk.sync()", None if error is None else (type(error).__name__, str(error)), ctx.cpu_group)
     found = [e for e in errors if e is not None]
     if found:
+        message = "; ".join(message for _, message in found)
         kind = MismatchError if any(name == "MismatchError" for name, _ in found) else WaitTimeoutError
-        raise kind("; ".join(message for _, message in found))
+        raise kind(message)

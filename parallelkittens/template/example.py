@@ -142,6 +142,7 @@ class ScaledAllGather:
     def __call__(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
         """all_gather(alpha * x) along dim 0; returns this rank's output buffer (valid until the next call)."""
         if x.shape != (self.M, self.N) or x.dtype != self.dtype or x.device != self.out.device:
+            meeting.meeting().refuse(1)  # the peers' kernels meet this rank's refusal instead of waiting for it
             raise PKError(f"expected a {self.dtype} tensor of shape {(self.M, self.N)} on {self.out.device}, got "
                           f"{x.dtype} {tuple(x.shape)} on {x.device}")
         self._launch(x.contiguous(), float(alpha))

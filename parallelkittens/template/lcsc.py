@@ -21,7 +21,8 @@ trying several counts (tuning) compiles the kernel once; list its argument in th
 asks for the meeting's verdict after its first consumer, so that the wait for the other ranks hides behind
 that tile's k-loop, and runs no storer if the ranks disagree; communicators run only if they agree. A consumer
 that waits for peers (a loader) must ask for the verdict itself, first. At the end the last program of the rank
-runs `finisher(G, C)`, where an op resets what one call used (flags), knowing every program is done with it.
+runs `finisher(G, C)` (where the ranks agreed), where an op resets what one call used (flags), knowing every
+program is done with it.
 
 Every program of the grid must be resident at once, since compute workers and communicators wait on each
 other: launch with `grid(...)`, which never asks for more programs than the device has SMs.
@@ -56,7 +57,8 @@ def lcsc(G, C, num_tasks, num_comm_tasks, num_comm_programs, loader, consumer, s
     if call is not None:
         if meeting.end(call):
             if finisher is not None:
-                finisher(G, C)
+                if meeting.verdict(call):  # a call the ranks disagreed on used nothing to reset
+                    finisher(G, C)
 
 
 @triton.jit

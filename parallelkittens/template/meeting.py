@@ -12,7 +12,10 @@ One set of counters per context, shared by every op (host side: `Meeting`):
   Every rank sees the same slots, so every rank reaches the same verdict: if any differs, every program of
   every rank skips its peer work (nothing hangs, nothing is written out of bounds) and the rank records a
   `MismatchError`, which `pk.sync()` raises. Call it before a program's first access to a peer; it may be
-  called again (the wait is then satisfied at once).
+  called again (the wait is then satisfied at once). A wait that gave up (a rank never came) is a "disagree".
+* `Meeting.refuse`: a rank whose call fails its plan's checks (wrong shape, dtype, output) still meets, with a
+  signature that matches nobody's, once for each kernel the call would have launched: its peers' kernels skip
+  their peer work and raise `MismatchError` at `pk.sync()`, and every rank's epoch stays in step.
 * `end`: every program counts itself out; the last one resets the count and stores the epoch for the next call,
   and learns that it is last (to reset per-call state). Every program also waits for the verdict here: no rank
   finishes a call before every rank has begun it, so a rank is at most one call ahead of any other, which is
@@ -38,8 +41,13 @@ from ..runtime import handle as _handle
 from ..runtime.context import context
 from ..runtime.errors import RECORD_MISMATCH, SIGNATURES
 from ..runtime.heap import aligned, heap
+from ..runtime.launch import Launcher
 
 _EPOCH, _FINISHED, _ARRIVALS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+BARRIER = 3  # the fourth counter: `pk.barrier()`'s
+# the signature of a call a rank refused; real ones have bit 61 and 58 hash bits set, so none is this one
+REFUSED = (1 << 61) | 1
+SIGNATURES[REFUSED] = "a call it refused (its arguments did not fit the op's plan)"
 _RECORD, _KIND = tl.constexpr(_handle.DEBUG_RECORD), tl.constexpr(RECORD_MISMATCH)
 
 
@@ -73,11 +81,14 @@ def verdict(call):
     """True when every rank runs the same call (waits for every rank's arrival first)."""
     theirs = call.sig
     if call.world > 1:
-        pkl.wait_at_least(call.counters + _ARRIVALS, call.world * call.epoch, call.handle)
+        expected = call.world * call.epoch
+        pkl.wait_at_least(call.counters + _ARRIVALS, expected, call.handle)
         slot = call.slots + (call.epoch & 1) * call.world
         for r in range(call.world):
             other = tl.load(slot + r, volatile=True)
             theirs = tl.where(other != call.sig, other, theirs)
+        arrived = tl.load(call.counters + _ARRIVALS, volatile=True) - expected >= 0  # the wait may have given up
+        theirs = tl.where(arrived, theirs, ~call.sig)  # (its record says so) then stale slots must not agree
         if theirs != call.sig:
             _record_mismatch(call.handle, theirs, call.sig)
     return theirs == call.sig
@@ -92,6 +103,13 @@ def end(call):
         tl.store(call.counters + _FINISHED, 0)
         tl.store(call.counters + _EPOCH, call.epoch)
     return last
+
+
+@triton.jit(do_not_specialize=["rank"])
+def _refuse_kernel(meet_counters, meet_slots, meet_handle, sig, rank, world):
+    """Only the meeting: a rank's stand-in for a call it refused."""
+    call = begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
+    end(call)
 
 
 @triton.jit
@@ -115,6 +133,13 @@ class Meeting:
         self.counters = counters.view(4, torch.int32)
         self.slots = slots.view(2 * self.world, torch.int64)
         self.handle = block.handle
+        self._refuse = Launcher(_refuse_kernel, (1,), **self.args(REFUSED))
+
+    def refuse(self, count: int) -> None:
+        """Meet `count` times with a signature nobody's call has (see the module's docstring)."""
+        if self.world > 1:
+            for _ in range(count):
+                self._refuse()
 
     def args(self, sig: int) -> dict:
         """The kernel arguments of `begin`: ``meet_counters``, ``meet_slots``, ``meet_handle``, ``sig``, ``rank``,

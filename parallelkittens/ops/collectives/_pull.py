@@ -37,6 +37,7 @@ from ...runtime.launch import Launcher
 from ...runtime.memory import owner_of
 from ...runtime.sizes import next_power_of_2
 from ...template import meeting
+from .. import plan as plans
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MOVE_DTYPES = FLOAT_DTYPES + tuple(d for d in (getattr(torch, "float8_e4m3fn", None),
@@ -161,8 +162,8 @@ def _done_counters() -> tuple[Block, int]:
     cache = context().cache
     if "collective_done" not in cache:
         # Two programs per SM with 16 KB tiles keep enough loads in flight to fill HBM (a sweep on an H200,
-        # scripts/diagnose_collectives.py: 1.9 TB/s copying, as with 4 or 8 per SM, and fewer programs make the
-        # protocol cheaper); under the interpreter every program is a thread, so one per "SM" there.
+        # bench/results/diagnose_collectives-*.txt: 1.9 TB/s copying, as with 4 or 8 per SM, and fewer programs make
+        # the protocol cheaper); under the interpreter every program is a thread, so one per "SM" there.
         programs = num_sms() * (2 if context().device.type == "cuda" else 1)
         cache["collective_done"] = heap().allocate(4 * programs, "collectives.done"), programs
     return cache["collective_done"]
@@ -182,6 +183,20 @@ class Staging:
         """Copy `x` in; (the staged tensor, its handle)."""
         self.tensor.copy_(x)
         return self.tensor, self.handle
+
+
+def source(op: str, x: torch.Tensor, zero_copy: bool, staging: Staging | None, any_handle: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pointer, handle) where peers read `x`: in place (its parallel tensor), a staged copy, or, at one rank, `x`
+    itself with any handle (a rank reading its own buffer translates by zero)."""
+    if zero_copy:
+        owner = owner_of(x)
+        if owner is None:
+            raise PKError(f"{op}: this plan reads a parallel tensor in place; x is not one")
+        return x, owner.handle
+    if staging is not None:
+        return staging.put(x)
+    return x, any_handle
 
 
 def check_input(op: str, x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -231,25 +246,22 @@ class PullPlan:
         self.device, self.zero_copy = ctx.device, zero_copy
         sig = meeting.signature(op, shape, str(dtype), *details, f"zero_copy={zero_copy}")
         self._any_handle = meeting.meeting().handle  # at one rank the kernel reads only its own input
-        self._staging = Staging(shape, dtype) if ctx.local_world_size > 1 and not zero_copy else None
+        moves = copy is not None and ctx.local_world_size > 1
+        self._staging = Staging(shape, dtype) if moves and not zero_copy else None
         self._pull = Pull(copy, dtype, sig) if copy is not None else None  # None: nothing to move
 
     def __call__(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The collective of `x`, into `out` (a new tensor by default)."""
-        check_call(self.op, x, self.shape, self.dtype, self.device)
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        else:
-            check_out(self.op, out, self.out_shape, self.dtype)
-        if self._pull is None:
-            return out
-        if self.zero_copy:
-            owner = owner_of(x)
-            if owner is None:
-                raise PKError(f"{self.op}: this plan reads a parallel tensor in place; x is not one")
-            self._pull(x, owner.handle, out)
-        elif self._staging is not None:
-            self._pull(*self._staging.put(x), out)
-        else:
-            self._pull(x, self._any_handle, out)
+        try:
+            check_call(self.op, x, self.shape, self.dtype, self.device)
+            if out is None:
+                out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            else:
+                check_out(self.op, out, self.out_shape, self.dtype)
+            if self._pull is None:
+                return out
+            src, handle = source(self.op, x, self.zero_copy, self._staging, self._any_handle)
+        except PKError as e:
+            plans.refuse(int(self._pull is not None), e)
+        self._pull(src, handle, out)
         return out

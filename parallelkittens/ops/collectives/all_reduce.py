@@ -23,7 +23,7 @@ from ...runtime.heap import heap
 from ...runtime.memory import ParallelTensor, owner_of
 from ...template.meeting import meeting, signature
 from .. import plan as plans
-from ._pull import FLOAT_DTYPES, Copy, Pull, Staging, check_call, check_input, check_out
+from ._pull import FLOAT_DTYPES, Copy, Pull, Staging, check_call, check_input, check_out, source
 
 ALIGN = 16  # two-shot slices start on 16-element boundaries, so loads stay 16 bytes wide
 
@@ -51,7 +51,7 @@ class AllReducePlan:
         self.algorithm = algorithm(n * dtype.itemsize, world)
         sig = signature(self.op, shape, str(dtype), self.algorithm, f"zero_copy={zero_copy}")
         self._any_handle = meeting().handle  # at one rank the kernel reads only its own input, wherever it is
-        self._staging = Staging(shape, dtype) if world > 1 and not zero_copy else None
+        self._staging = Staging(shape, dtype) if world > 1 and not zero_copy and n else None
         self._pulls: list[Pull] = []
         if n == 0:
             return
@@ -70,22 +70,17 @@ class AllReducePlan:
 
     def __call__(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The sum of `x` over ranks, into `out` (a new tensor by default; `out` may be `x` itself)."""
-        check_call(self.op, x, self.shape, self.dtype, self.device)
-        if out is None:
-            out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        elif out is not x:
-            check_out(self.op, out, self.shape, self.dtype)
-        if not self._pulls:
-            return out
-        if self.zero_copy:
-            owner = owner_of(x)
-            if owner is None:
-                raise PKError(f"{self.op}: this plan reads a parallel tensor in place; x is not one")
-            src, handle = x, owner.handle
-        elif self._staging is not None:
-            src, handle = self._staging.put(x)
-        else:
-            src, handle = x, self._any_handle
+        try:
+            check_call(self.op, x, self.shape, self.dtype, self.device)
+            if out is None:
+                out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            elif out is not x:
+                check_out(self.op, out, self.shape, self.dtype)
+            if not self._pulls:
+                return out
+            src, handle = source(self.op, x, self.zero_copy, self._staging, self._any_handle)
+        except PKError as e:
+            plans.refuse(len(self._pulls), e)
         if self.algorithm == "one_shot":
             dst = torch.empty_like(x) if out is x and src is x else out  # peers read x until the kernel's end
             self._pulls[0](src, handle, dst)

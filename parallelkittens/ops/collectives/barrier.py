@@ -1,16 +1,17 @@
 """A device-side barrier across the node's ranks: one program runs `barrier_all` on a counter of the context.
 
 Unlike `pk.sync()` it does not involve the host: it queues on the rank's stream and orders device work
-across ranks (writes made before it are visible to every rank after it). Collective.
+across ranks (writes made before it are visible to every rank after it). Collective. Its counter is the
+meeting's fourth (`template/meeting.py`), so it takes nothing from the heap that the ranks' plans could not agree
+on.
 """
 
-import torch
 import triton
 
 from ... import language as pkl
 from ...runtime.context import context
-from ...runtime.heap import heap
 from ...runtime.launch import Launcher
+from ...template import meeting
 
 
 @triton.jit
@@ -23,7 +24,7 @@ def barrier() -> None:
     cache = context().cache
     launch = cache.get("barrier")
     if launch is None:  # the first call is collective on every rank, like every later one
-        block = heap().allocate(4, "barrier")
-        launch = cache["barrier"] = Launcher(_barrier_kernel, (1,), counter_ptr=block.view(1, torch.int32),
-                                             h=block.handle)
+        made = meeting.meeting()
+        launch = cache["barrier"] = Launcher(_barrier_kernel, (1,), counter_ptr=made.counters[meeting.BARRIER:],
+                                             h=made.handle)
     launch()

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from ...runtime.context import context
 from ...runtime.device import num_sms
+from ...runtime.errors import PKError
+from ...runtime.launch import Launcher
 
 
 def candidates() -> list[int]:
@@ -44,3 +46,22 @@ def fastest(run: Callable[[int], object], options: list[int], reps: int = 3) -> 
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.node_group)  # the op's ranks
     return options[int(torch.argmin(slowest))]
+
+
+def check_comm_sms(op: str, num_comm_sms: int | None) -> None:
+    """A `num_comm_sms` this device can run: None (tune), or from 1 to one less than its SMs."""
+    limit = num_sms() - 1
+    if num_comm_sms is not None and not (isinstance(num_comm_sms, int) and 1 <= num_comm_sms <= limit):
+        raise PKError(f"{op}: num_comm_sms must be in [1, {limit}] on this device, got {num_comm_sms!r}")
+
+
+def choose(bound: Callable[[int], Launcher], num_comm_sms: int | None, run: Callable[[Launcher], object]
+           ) -> Launcher:
+    """The launch an LCSC op keeps: no communicator at one rank, the caller's count, or the `fastest` of the
+    `candidates`, each timed by `run(launch)` with the plan's first operands."""
+    if context().local_world_size == 1:
+        return bound(0)
+    if num_comm_sms is not None:
+        return bound(num_comm_sms)
+    options = {count: bound(count) for count in candidates()}
+    return options[fastest(lambda count: run(options[count]), list(options))]

@@ -17,9 +17,9 @@ reduce-adds reached 0.498.
 The descriptors of local tensors are made on the host (`descriptor`) and passed to the kernels as parameters,
 as cuBLAS passes its TMA maps. Made in the kernel (`tl.make_tensor_descriptor`), every program writes its maps to
 global memory and fences them before its first load: on an H200 that cost about 2 µs per launch (2048^3: 26.1
-against 23.8 µs per call; scripts/diagnose_gemm.py), a tenth of a small GEMM. On the host each costs about
-3.5 µs (building it, and Triton's launcher encoding it), which small GEMMs called eagerly pay; CUDA graphs do
-not. Descriptors over peers' memory are still made in the kernel, where the peer is known.
+against 23.8 µs per call; bench/results/diagnose_gemm-w1-2026-12-04.txt), a tenth of a small GEMM. On the host
+each costs about 3.5 µs (building it, and Triton's launcher encoding it), which small GEMMs called eagerly pay;
+CUDA graphs do not. Descriptors over peers' memory are still made in the kernel, where the peer is known.
 """
 
 from __future__ import annotations

@@ -30,14 +30,13 @@ import triton.language as tl
 
 from ... import language as pkl
 from ...runtime.context import context
-from ...runtime.device import num_sms
 from ...runtime.errors import PKError
 from ...runtime.heap import heap
 from ...runtime.launch import Launcher
 from ...runtime.sizes import cdiv
 from ...template import grid, lcsc, meeting
 from .. import plan as plans
-from ._tuning import candidates, fastest
+from ._tuning import check_comm_sms, choose
 from .matmul import (
     MatmulConfig,
     Tiles,
@@ -143,7 +142,7 @@ def _communicator(G, C, task):
         G.out_desc.store([pid_m * C.BM, pid_n * C.BN + j * half], src.load([pid_m * C.BM, pid_n * C.BN + j * half]))
 
 
-@triton.jit(do_not_specialize=["num_comm", "rank"])
+@triton.jit(do_not_specialize=["num_comm", "num_comm_tasks", "rank"])  # one binary for every rank
 def _mm_ar_kernel(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, res_ptr, res_handle, res_desc, out_desc, ctr_ptr,
                   ctr_handle, M, N, K, tiles, num_comm_tasks, num_comm, meet_counters, meet_slots, meet_handle, sig,
                   rank, world, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -191,22 +190,26 @@ class MatmulAllReducePlan:
                 BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
                 **meeting.meeting().args(sig))
 
-        if world == 1:
-            self._launch = bound(0)
-        elif num_comm_sms is not None:
-            self._launch = bound(num_comm_sms)
-        else:  # time each count with this call's operands, the same on every rank
-            options = {count: bound(count) for count in candidates()}
-            scratch = torch.empty(M, N, dtype=a.dtype, device=self.device)
-            self._launch = options[fastest(lambda count: self._run(options[count], a, b, scratch), list(options))]
+        a, b = a.contiguous(), b.contiguous()  # what a call would pass
+        outputs: list[torch.Tensor] = []  # made only if tuning runs
+
+        def run(launch: Launcher) -> None:
+            if not outputs:
+                outputs.append(torch.empty(self.M, self.N, dtype=a.dtype, device=self.device))
+            self._run(launch, a, b, outputs[0])
+
+        self._launch = choose(bound, num_comm_sms, run)
 
     def _run(self, launch: Launcher, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
         launch(descriptor(a, self._blocks[0]), descriptor(b, self._blocks[1]), descriptor(c, self._blocks[2]))
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The (M, N) sum over ranks of a @ b, into `out` (a new tensor by default)."""
-        a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device)
-        c = new_output(self.op, out, (self.M, self.N), self.dtype, self.device)
+        try:
+            a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device)
+            c = new_output(self.op, out, (self.M, self.N), self.dtype, self.device)
+        except PKError as e:
+            plans.refuse(int(self._launch is not None), e)
         if self._launch is not None:
             self._run(self._launch, a, b, c)
         return c
@@ -225,9 +228,7 @@ def plan(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
         check_operands(op, a, b)
         if config is not None:
             config.validate()
-        limit = num_sms() - 1
-        if num_comm_sms is not None and not 1 <= num_comm_sms <= limit:
-            raise PKError(f"{op}: num_comm_sms must be in [1, {limit}] on this device, got {num_comm_sms}")
+        check_comm_sms(op, num_comm_sms)
         return f"{op} with {tuple(a.shape)}, {tuple(b.shape)}, {a.dtype}, num_comm_sms={num_comm_sms}, {config}"
 
     return plans.get(key, lambda: MatmulAllReducePlan(a, b, num_comm_sms, config), check)

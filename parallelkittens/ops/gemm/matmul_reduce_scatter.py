@@ -168,8 +168,11 @@ class MatmulReduceScatterPlan:
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's (M/W, N) row block of the sum over ranks of a @ b, into `out` (new by default)."""
-        a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device)
-        c = new_output(self.op, out, (self.m_block, self.N), self.dtype, self.device)
+        try:
+            a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device)
+            c = new_output(self.op, out, (self.m_block, self.N), self.dtype, self.device)
+        except PKError as e:
+            plans.refuse(int(self._launch is not None), e)
         if self._launch is not None:
             self._launch(descriptor(a, self._blocks[0]), descriptor(b, self._blocks[1]),
                          descriptor(c, self._blocks[2]))
