@@ -14,6 +14,7 @@ import platform
 import sys
 from collections.abc import Callable
 
+from .attention import bench_attention, bench_ring_attention, bench_ulysses_attention, plot_attention
 from .collectives import bench_collective, plot
 from .fused import bench_fused, plot_fused
 from .host import bench_host
@@ -44,6 +45,9 @@ BENCHMARKS: dict[str, Callable[[], dict]] = {
     "matmul": bench_matmul,
     **{name: _collective(name) for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")},
     **{name: _fused(name) for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")},
+    "attention": bench_attention,
+    "ring_attention": bench_ring_attention,
+    "ulysses_attention": bench_ulysses_attention,
 }
 
 
@@ -70,6 +74,8 @@ def plot_record(record: dict, path: str) -> bool:
         done = plot(name, record, path)
     elif name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
         done = plot_fused(name, record, path)
+    elif name in ("attention", "ring_attention", "ulysses_attention"):
+        done = plot_attention(name, record, path)
     else:
         return False
     if done:

@@ -1,7 +1,11 @@
 """Ops built on the primitives and the template, one module each, grouped by family: `collectives` (all_reduce,
-all_gather, reduce_scatter, all_to_all, barrier) and `gemm` (matmul and the fused GEMMs). Every op runs through a
+all_gather, reduce_scatter, all_to_all, barrier), `gemm` (matmul and the fused GEMMs) and `attention` (the flash
+kernel, ring and Ulysses attention). Every op runs through a
 plan built once per call signature (`ops/plan.py`); ``pk.ops.<op>.plan(...)`` hands it out."""
 
+from .attention.flash import attention
+from .attention.ring import ring_attention, shard_sequence, unshard_sequence
+from .attention.ulysses import ulysses_attention
 from .collectives.all_gather import all_gather
 from .collectives.all_reduce import all_reduce
 from .collectives.all_to_all import all_to_all
@@ -12,5 +16,6 @@ from .gemm.matmul import MatmulConfig, matmul
 from .gemm.matmul_all_reduce import matmul_all_reduce
 from .gemm.matmul_reduce_scatter import matmul_reduce_scatter
 
-__all__ = ["MatmulConfig", "all_gather", "all_gather_matmul", "all_reduce", "all_to_all", "barrier", "matmul",
-           "matmul_all_reduce", "matmul_reduce_scatter", "reduce_scatter"]
+__all__ = ["MatmulConfig", "all_gather", "all_gather_matmul", "all_reduce", "all_to_all", "attention", "barrier",
+           "matmul", "matmul_all_reduce", "matmul_reduce_scatter", "reduce_scatter", "ring_attention",
+           "shard_sequence", "ulysses_attention", "unshard_sequence"]

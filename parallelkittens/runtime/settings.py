@@ -23,8 +23,10 @@ VARIABLES: dict[str, tuple[str, object, str]] = {
     "PK_WAIT_TIMEOUT": ("wait_timeout_s", 10.0, "seconds a wait lasts with PK_DEBUG=1 (a rank's first launch may "
                                                 "wait for a peer still compiling: allow a minute when kernels "
                                                 "compile cold)"),
-    "PK_TIMEOUT": ("timeout_s", 600.0, "seconds a wait lasts without PK_DEBUG (NCCL's watchdog default); a wait "
-                                       "that gives up records `WaitTimeoutError`, raised by `pk.sync()`"),
+    "PK_TIMEOUT": ("timeout_s", 600.0, "the watchdog (NCCL's default): seconds a rank waits on the host for the "
+                                       "others to arrive at an agreement (then `PKError` names the missing "
+                                       "ranks), and a device wait lasts without PK_DEBUG (then `pk.sync()` "
+                                       "raises `WaitTimeoutError`)"),
     "PK_JOIN_TIMEOUT": ("join_timeout_s", 60.0, "seconds `init()` waits for every rank to join"),
     "PK_SPAWN_TIMEOUT": ("spawn_timeout_s", 300.0, "seconds `spawn()` lets ranks run"),
     "PK_FAST_LAUNCH": ("fast_launch", True, "`0`: launch every kernel through Triton's own path; by default a plan's "
@@ -34,6 +36,8 @@ VARIABLES: dict[str, tuple[str, object, str]] = {
     "PK_ONE_SHOT_BYTES": ("one_shot_bytes", 256 * 1024, "largest all_reduce (bytes) done in one shot; larger ones "
                                                         "reduce-scatter then all-gather"),
     "PK_BENCH_MAX_ITERS": ("bench_max_iters", 200, "most calls a benchmark times back to back per measurement"),
+    "PK_BENCH_FULL": ("bench_full", False, "`1`: the attention benchmarks also run the sequences whose forward takes "
+                                           "over about a second per GPU"),
     "PK_JOB_ID": ("job_id", "", "set by `spawn()` for its ranks: names the job's shared-memory files"),
 }
 
@@ -52,6 +56,7 @@ class Settings:
     interpret_sms: int = 4
     one_shot_bytes: int = 256 * 1024
     bench_max_iters: int = 200
+    bench_full: bool = False
     job_id: str = ""
 
     @classmethod

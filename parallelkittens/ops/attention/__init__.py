@@ -1,0 +1,1 @@
+"""Attention: the flash-attention core and its sequence-parallel forms (ring, Ulysses)."""
