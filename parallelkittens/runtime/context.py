@@ -19,7 +19,6 @@ import atexit
 import collections
 import datetime
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -66,6 +65,9 @@ class Context:
     _finalizers: list[Callable[[], None]] = field(default_factory=list, repr=False)
     # Set when a wait gave up: the ranks' counters are out of step, so no op may run again (`pk.sync()` sets it).
     broken: str = ""
+    # The job's rendezvous store: host steps check in there first, so a rank that never arrives is named.
+    store: dist.Store | None = field(default=None, repr=False)
+    _arrivals: collections.Counter = field(default_factory=collections.Counter, repr=False)
 
     @property
     def node_rank(self) -> int:
@@ -98,12 +100,6 @@ def _env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise PKError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def interpreting() -> bool:
@@ -154,11 +150,10 @@ def _join(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> No
 def _make_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = _env_int("MASTER_PORT", 0)
-    if world_size == 1 and port == 0:
-        port = _free_port()
-    if port == 0:
+    if port == 0 and world_size > 1:
         raise PKError(f"rank {rank}: MASTER_PORT is not set; start ranks with torchrun or pk.spawn")
-    # Under torchrun the agent already serves the store at MASTER_PORT.
+    # Under torchrun (and `pk.spawn`) the launcher already serves the store at MASTER_PORT; a lone process serves
+    # its own on a port the system picks (port 0: no probing, so no race with another job).
     serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
         store = dist.TCPStore(
@@ -246,7 +241,7 @@ def init(backend: str | None = None, *, join_timeout: float | None = None) -> Co
     _CTX = Context(
         rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size, device=device,
         backend=name, group=world, cpu_group=cpu_group, node_group=node_group, settings=settings, job_id=ids[0],
-        debug_record=torch.zeros(8, dtype=torch.int64, device=device),
+        debug_record=torch.zeros(8, dtype=torch.int64, device=device), store=store,
     )
     if device.type == "cuda":
         _install_triton_allocator()
@@ -303,6 +298,7 @@ def exchange(step: str, payload: object, group: dist.ProcessGroup | None = None)
     """
     ctx = context()
     group = group or ctx.node_group
+    _arrive(ctx, step, dist.get_process_group_ranks(group))
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (step, payload), group=group)
     steps = [s for s, _ in everyone]
@@ -311,6 +307,25 @@ def exchange(step: str, payload: object, group: dist.ProcessGroup | None = None)
         raise MismatchError(f"rank {ctx.rank}: ranks are at different steps of the job ({rows}): they called "
                             "different ops, or the same op with different arguments, in different orders")
     return [p for _, p in everyone]
+
+
+def _arrive(ctx: Context, step: str, members: list[int]) -> None:
+    """Check in at a host step and wait, at most PK_TIMEOUT seconds (the watchdog), for the other `members`:
+    a rank that never comes (stuck, dead, or calling something else) is named instead of hanging the job."""
+    if ctx.store is None or len(members) == 1:
+        return
+    tag = f"arrive/{members[0]}+{len(members)}"
+    seq = ctx._arrivals[tag]
+    ctx._arrivals[tag] += 1
+    ctx.store.set(f"{tag}/{seq}/{ctx.rank}", step)
+    keys = [f"{tag}/{seq}/{r}" for r in members]
+    bound = ctx.settings.timeout_s
+    try:
+        ctx.store.wait(keys, datetime.timedelta(seconds=bound))
+    except Exception:  # the store's timeout types differ across torch versions
+        missing = [r for r in members if not ctx.store.check([f"{tag}/{seq}/{r}"])]
+        raise PKError(f"rank {ctx.rank}: waited {bound:g} s (PK_TIMEOUT) at {step!r} for rank(s) {missing}, which "
+                      "never arrived: they are stuck in an earlier step, dead, or did not make this call") from None
 
 
 def finalize() -> None:

@@ -78,6 +78,7 @@ class Heap:
         self._used = 0
         self._pools: dict[str, Block] = {}
         self._named: list[tuple[str, Block]] = []  # for error messages: which block an address falls in
+        self._labels: dict[str, list[str]] = {}  # for error messages: what a block's counters count
 
     def allocate(self, nbytes: int, name: str) -> Block:
         """A zeroed block of at least `nbytes`, kept for the context's life. Collective (same order everywhere)."""
@@ -113,8 +114,15 @@ class Heap:
             for rank, base in enumerate(block.segment._bases if block.segment._peers is not None else []):
                 start = base + block.offset
                 if start <= address < start + block.nbytes:
-                    return f"{name}[{(address - start) // 4}] of rank {rank}"
+                    index = (address - start) // 4
+                    labels = self._labels.get(name, [])
+                    what = f" ({labels[index]})" if index < len(labels) else ""
+                    return f"{name}[{index}]{what} of rank {rank}"
         return None
+
+    def label(self, name: str, labels: list[str]) -> None:
+        """Say what the int32 counters of the blocks called `name` count, for `describe`."""
+        self._labels[name] = labels
 
     def _segment(self, nbytes: int, name: str, zero: bool = True) -> ParallelTensor:
         segment = (zeros if zero else empty)(nbytes, torch.uint8, name=name)

@@ -1,12 +1,18 @@
 """`spawn`: run a function on fresh ranks (processes) and bring back their results or their errors.
 
-The parent never joins the world itself. It watches every rank's result pipe and process; the first failure
-(an exception, a death, or the deadline) stops all ranks, and the error names the rank and what happened.
-Shared-memory files a job left behind (a rank killed mid-allocation) are removed by their job-id prefix.
+The parent never joins the world itself. It serves the job's rendezvous store on a port the system picks (so any
+number of jobs can start at once) and watches every rank's result pipe and process. The first failure (an
+exception, a death, or the deadline) stops all ranks after a short grace for the others to report theirs; the
+error names the originating failure first, the earliest one that is not a consequence of another rank's (a
+transport error, a wait that gave up), with its rank and traceback, and lists the others after it. Results travel
+by value (pickled whole, never as shared file descriptors), so they arrive however loaded the machine is and the
+rank leaves nothing behind. Shared-memory files a job left behind (a rank killed mid-allocation) are removed by
+their job-id prefix.
 """
 
 from __future__ import annotations
 
+import datetime
 import glob
 import multiprocessing as mp
 import multiprocessing.connection
@@ -17,7 +23,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed
@@ -47,6 +53,7 @@ def _rank_main(fn: Callable, args: tuple, rank: int, env: dict[str, str], conn, 
                ) -> None:
     _die_with_parent(parent_pid)
     os.environ.update(env)
+    os.environ["MASTER_PORT"] = str(conn.recv())  # the parent's store starts after the fork (threads and fork mix ill)
     _context._CTX = None  # a forked rank must not inherit a context
     if forked:
         # A forked child cannot use the OpenMP thread pool its parent started (its first parallel op, a zero_()
@@ -68,7 +75,11 @@ def _rank_main(fn: Callable, args: tuple, rank: int, env: dict[str, str], conn, 
             original = None
         payload = ("error", f"{type(e).__name__}: {e}", original, tb)
     try:
-        conn.send(payload)
+        data = pickle.dumps(payload)  # by value: a tensor's bytes, not a descriptor the parent must fetch from us
+    except Exception as e:  # an exception (or result) that pickled alone but not inside the payload
+        data = pickle.dumps(("error", f"{payload[1]} (and the result could not be sent: {e})", None, ""))
+    try:
+        conn.send_bytes(data)
     finally:
         conn.close()
     try:
@@ -107,29 +118,35 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
     name = _context.choose_backend(world_size, backend, settings)
     timeout = timeout if timeout is not None else settings.spawn_timeout_s
     job_id = uuid.uuid4().hex[:12]
-    port = _context._free_port()
     mpc = mp.get_context(_start_method(name))
-    procs, conns = [], []
+    procs, conns, store = [], [], None
     try:
         for rank in range(world_size):
             env = {
                 "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                "TORCHELASTIC_USE_AGENT_STORE": "True",  # the ranks connect to the parent's store
                 "PK_BACKEND": name, "PK_JOB_ID": job_id,
                 "PK_JOIN_TIMEOUT": str(min(timeout, settings.join_timeout_s)),
             }
-            parent_conn, child_conn = mpc.Pipe(duplex=False)
+            parent_conn, child_conn = mpc.Pipe()  # the store's port goes down, the result comes up
             proc = mpc.Process(target=_rank_main, daemon=True, name=f"pk-rank-{rank}",
                                args=(fn, args, rank, env, child_conn, os.getpid(), mpc.get_start_method() == "fork"))
             proc.start()
             child_conn.close()
             procs.append(proc)
             conns.append(parent_conn)
+        # the job's own store, on a port the system picks: no probing, so no race between jobs
+        store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                                           timeout=datetime.timedelta(seconds=settings.join_timeout_s))
+        for conn in conns:
+            conn.send(store.port)
         return _collect(procs, conns, timeout)
     finally:
         _stop(procs)
         for c in conns:
             c.close()
+        del store
         for path in glob.glob(os.path.join(_SHM_DIR, shm_prefix(job_id) + "*")):
             try:
                 os.unlink(path)
@@ -137,56 +154,84 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
                 pass
 
 
+class Failure(NamedTuple):
+    """One rank's failure as the parent saw it: when it arrived, the rank, and what the rank said."""
+
+    at: float
+    rank: int
+    message: str
+    original: BaseException | None
+    traceback: str
+    died: bool = False
+
+
+# What a rank says when it failed because another rank did: its transport broke, or a wait for a peer gave up.
+_CONSEQUENCES = ("Connection closed", "Connection reset", "Connection refused", "Broken pipe", "Read error",
+                 "Socket Timeout", "Timed out waiting", "DistBackendError", "WaitTimeoutError", "which never arrived",
+                 "EOFError", "ConnectionResetError", "ranks are at different steps")
+
+
+def originating(failures: list[Failure]) -> Failure:
+    """The failure that started it: the earliest that is not a consequence of another rank's (a death always
+    counts as a cause), else the earliest."""
+    ordered = sorted(failures)
+    causes = [f for f in ordered if f.died or not any(c in f.message for c in _CONSEQUENCES)]
+    return (causes or ordered)[0]
+
+
+def _receive(conn) -> tuple:
+    try:
+        return pickle.loads(conn.recv_bytes())
+    except EOFError:  # the pipe closed without a word: the rank died
+        return ("died",)
+
+
 def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
     world_size = len(procs)
     results: dict[int, Any] = {}
-    errors: dict[int, tuple] = {}
-    deaths: dict[int, int] = {}
+    failures: dict[int, Failure] = {}
     deadline = time.monotonic() + timeout
     failed_at = None
-    while len(results) + len(errors) + len(deaths) < world_size:
+    while len(results) + len(failures) < world_size:
         now = time.monotonic()
         if failed_at is not None and now > failed_at + _GRACE_S:
             break
         if now > deadline:
-            waiting = sorted(set(range(world_size)) - set(results) - set(errors) - set(deaths))
+            waiting = sorted(set(range(world_size)) - set(results) - set(failures))
             raise PKError(f"pk.spawn: rank(s) {waiting} still running after {timeout:g} s; all ranks were stopped")
-        pending = {conns[r]: r for r in range(world_size) if r not in results and r not in errors
-                   and r not in deaths}
+        pending = {conns[r]: r for r in range(world_size) if r not in results and r not in failures}
         ready = mp.connection.wait(list(pending) + [procs[r].sentinel for r in pending.values()], timeout=0.1)
         for obj in ready:
             rank = pending.get(obj)
             if rank is None:  # a process ended: read what it sent, if anything, or record its death
                 rank = next(r for r in pending.values() if procs[r].sentinel == obj)
-                if conns[rank].poll():
+                if rank in results or rank in failures or conns[rank].poll():
                     continue  # its message is waiting on the pipe: take it through the pipe below
-                procs[rank].join()
-                deaths[rank] = procs[rank].exitcode
+                status = ("died",)
             else:
-                try:
-                    status, *rest = obj.recv()
-                except EOFError:  # the pipe closed without a word: the rank died
-                    procs[rank].join()
-                    deaths[rank] = procs[rank].exitcode
-                    status, rest = "died", None
-                if status == "ok":
-                    results[rank] = rest[0]
-                elif status == "error":
-                    errors[rank] = tuple(rest)
-            if rank in errors or rank in deaths:
+                status = _receive(obj)
+            if status[0] == "ok":
+                results[rank] = status[1]
+            elif status[0] == "error":
+                failures[rank] = Failure(time.monotonic(), rank, *status[1:])
+            else:
+                procs[rank].join()
+                code = procs[rank].exitcode
+                how = f"was killed by signal {signal.Signals(-code).name}" if code and code < 0 else \
+                    f"exited with {code}"
+                failures[rank] = Failure(time.monotonic(), rank, f"{how} before returning a result", None, "",
+                                         died=True)
+            if rank in failures:
                 failed_at = failed_at or time.monotonic()
-    if errors:
-        rank = min(errors)
-        message, original, tb = errors[rank]
-        others = sorted(set(errors) - {rank})
-        if others:
-            message += f" (rank(s) {others} failed too)"
-        raise RankError(rank, message, original, tb)
-    if deaths:
-        rank = min(deaths)
-        code = deaths[rank]
-        how = f"was killed by signal {signal.Signals(-code).name}" if code and code < 0 else f"exited with {code}"
-        raise PKError(f"pk.spawn: rank {rank} {how} before returning a result; all ranks were stopped")
+    if failures:
+        cause = originating(list(failures.values()))
+        others = [f for f in sorted(failures.values()) if f is not cause]
+        then = "".join(f"\n  rank {f.rank}: {f.message.splitlines()[0] if f.message else ''}" for f in others)
+        if then:
+            then = "\n--- then, in the order they arrived ---" + then
+        if cause.died:
+            raise PKError(f"pk.spawn: rank {cause.rank} {cause.message}; all ranks were stopped{then}")
+        raise RankError(cause.rank, cause.message + then, cause.original, cause.traceback)
     if len(results) < world_size:
         missing = sorted(set(range(world_size)) - set(results))
         raise PKError(f"pk.spawn: rank(s) {missing} gave no result; all ranks were stopped")

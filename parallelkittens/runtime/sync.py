@@ -38,7 +38,12 @@ def sync() -> None:
         check_errors()
     except PKError as e:
         error = e
-    errors = exchange("pk.sync()", None if error is None else (type(error).__name__, str(error)), ctx.cpu_group)
+    try:
+        errors = exchange("pk.sync()", None if error is None else (type(error).__name__, str(error)), ctx.cpu_group)
+    except PKError as missing:  # a peer never came: this rank's own error, if it has one, is the news
+        if error is None:
+            raise
+        raise type(error)(f"{error}; then {missing}") from None
     found = [e for e in errors if e is not None]
     if found:
         message = "; ".join(message for _, message in found)

@@ -129,6 +129,9 @@ class Meeting:
         ctx = context()
         self.world = ctx.local_world_size
         block = heap().allocate(aligned(16) + aligned(16 * self.world), "meeting")
+        heap().label("meeting", ["the calls this rank has made", "the programs of a call that have ended",
+                                 "the ranks' arrivals at a call: a rank that never began it is missing",
+                                 "pk.barrier()'s arrivals"])
         counters, slots = block.split(16, 16 * self.world)
         self.counters = counters.view(4, torch.int32)
         self.slots = slots.view(2 * self.world, torch.int64)

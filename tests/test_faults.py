@@ -1,0 +1,266 @@
+"""Faults: every case runs as a fresh job and must end with the root cause named on time, leaving nothing behind
+(no shared-memory file, no temporary folder of multiprocessing's, no child process). Each case prints how long
+its failure took to surface (`pytest -s`); docs/testing.md has the table."""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+import parallelkittens as pk
+from parallelkittens.runtime.spawn import Failure, originating
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _children() -> list[int]:
+    """Live processes whose parent is this process (zombies not counted)."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == os.getpid():
+            found.append(int(stat.split("/")[2]))
+    return found
+
+
+def _leftovers() -> set[str]:
+    return set(glob.glob("/dev/shm/pk*")) | set(glob.glob(os.path.join(tempfile.gettempdir(), "pymp-*")))
+
+
+@pytest.fixture
+def clean():
+    """Fails the case if it left a file or a process behind; yields a stopwatch for the time to the failure."""
+    before, start = _leftovers(), time.monotonic()
+    yield lambda: time.monotonic() - start
+    deadline = time.monotonic() + 5
+    while _children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _children(), f"child processes left: {_children()}"
+    assert not _leftovers() - before, f"left behind: {sorted(_leftovers() - before)}"
+
+
+def _report(case: str, seconds: float) -> None:
+    print(f"\n[fault] {case}: surfaced in {seconds:.1f} s")
+
+
+# --- which failure is the cause -------------------------------------------------------------------------------
+
+
+def test_the_cause_is_reported_before_its_consequences():
+    failures = [Failure(0.10, 0, "DistBackendError: Connection closed by peer [127.0.0.1]:41234", None, ""),
+                Failure(0.20, 2, "WaitTimeoutError: rank 2: wait on meeting[0] of rank 1 timed out", None, ""),
+                Failure(0.30, 1, "ValueError: the user's own bug", None, "")]
+    assert originating(failures).rank == 1
+    assert originating(failures[:2]).rank == 0  # only consequences: the earliest
+    killed = Failure(0.05, 3, "was killed by signal SIGKILL", None, "", died=True)
+    assert originating([*failures, killed]).rank == 3  # a death is a cause, and this one came first
+
+
+def _raise_on_rank_one() -> None:
+    ctx = pk.context()
+    if ctx.rank == 1:
+        raise ValueError("boom on rank 1")
+    torch.distributed.barrier(group=ctx.cpu_group)  # the others fail (or are stopped) because rank 1 left
+
+
+def test_a_rank_that_raises_is_named_with_its_exception(clean):
+    with pytest.raises(pk.RankError) as info:
+        pk.spawn(_raise_on_rank_one, 3, timeout=60)
+    _report("rank raises", clean())
+    assert info.value.rank == 1 and isinstance(info.value.original, ValueError)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("rank 1 failed: ValueError: boom on rank 1"), str(info.value)
+    assert "raise ValueError" in info.value.remote_traceback
+
+
+def _killed_mid(op: str) -> None:
+    ctx = pk.context()
+    a = torch.ones(64, 64, device=ctx.device)
+    run = {"all_reduce": lambda: pk.ops.all_reduce(a), "matmul_all_reduce": lambda: pk.ops.matmul_all_reduce(a, a)}
+    run[op]()  # the plan is built on both ranks
+    pk.sync()
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    run[op]()  # rank 0 waits in the kernel for a rank that is gone
+    pk.sync()
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "matmul_all_reduce"])
+def test_a_rank_killed_mid_op_is_named(clean, op):
+    with pytest.raises(pk.PKError, match="rank 1 was killed by signal SIGKILL"):
+        pk.spawn(_killed_mid, 2, op, timeout=60)
+    _report(f"rank killed during {op}", clean())
+    assert clean() < 15
+
+
+def _never_arrives(inside_kernel: bool) -> None:
+    ctx = pk.context()
+    x = torch.ones(100, device=ctx.device)
+    if inside_kernel:
+        pk.ops.all_reduce(x)  # built together: a second call has no host agreement, only the kernel's meeting
+        pk.sync()
+    if ctx.rank == 1:
+        time.sleep(120)
+    pk.ops.all_reduce(x)
+    pk.sync()
+
+
+@pytest.mark.parametrize("inside_kernel", [False, True], ids=["at the agreement", "inside the kernel"])
+def test_a_rank_that_never_arrives_is_named_in_default_mode(clean, monkeypatch, inside_kernel):
+    monkeypatch.setenv("PK_DEBUG", "0")  # the default mode: the watchdog is PK_TIMEOUT
+    monkeypatch.setenv("PK_TIMEOUT", "3")
+    with pytest.raises(pk.RankError) as info:
+        pk.spawn(_never_arrives, 2, inside_kernel, timeout=60)
+    _report(f"rank never arrives ({'kernel' if inside_kernel else 'agreement'})", clean())
+    message = str(info.value)
+    assert info.value.rank == 0 and "rank(s) [1], which never arrived" in message, message
+    if inside_kernel:  # the kernel's own watchdog first, then the host's
+        assert "WaitTimeoutError" in message and "arrivals at a call" in message and "after 3 s" in message, message
+    else:
+        assert "building a plan (all_reduce)" in message, message
+    assert clean() < 20
+
+
+# --- bad input, every op ----------------------------------------------------------------------------------------
+
+
+def _disagreements() -> dict[str, str]:
+    ctx = pk.context()
+    me, dev = ctx.rank, ctx.device
+    n = 8 + 8 * me  # a size that differs between the ranks
+    x = torch.ones(n, 16, device=dev)
+    q = torch.ones(1, 2, n, 64, device=dev)
+    cases = {
+        "all_reduce": lambda: pk.ops.all_reduce(x),
+        "all_gather": lambda: pk.ops.all_gather(x, 0),
+        "reduce_scatter": lambda: pk.ops.reduce_scatter(x, 0),
+        "all_to_all": lambda: pk.ops.all_to_all(x, 0, 1),
+        "all_gather_matmul": lambda: pk.ops.all_gather_matmul(x, torch.ones(16, 16, device=dev)),
+        "matmul_reduce_scatter": lambda: pk.ops.matmul_reduce_scatter(x, torch.ones(16, 16, device=dev)),
+        "matmul_all_reduce": lambda: pk.ops.matmul_all_reduce(x, torch.ones(16, 16, device=dev)),
+        "ring_attention": lambda: pk.ops.ring_attention(q, q, q),
+        "ulysses_attention": lambda: pk.ops.ulysses_attention(q.transpose(1, 2), q.transpose(1, 2),
+                                                              q.transpose(1, 2)),
+        "dtype": lambda: pk.ops.all_reduce(torch.ones(16, device=dev, dtype=torch.float32 if me else torch.bfloat16)),
+        "wrong device": lambda: pk.ops.all_reduce(torch.ones(16, device="meta")),
+        "not contiguous": lambda: pk.ops.all_gather(torch.ones(16, 4, device=dev).t(), 0),
+        "zero size": lambda: pk.ops.all_gather(torch.ones(0, 4, device=dev), 0).shape,
+    }
+    messages = {}
+    for name, call in cases.items():
+        try:
+            result = call()
+            pk.sync()
+            messages[name] = f"ok {tuple(result)}" if name == "zero size" else "no error"
+        except pk.PKError as e:
+            messages[name] = f"{type(e).__name__}: {e}"
+    messages["after"] = "ok" if pk.ops.all_reduce(torch.ones(4, device=dev)).eq(ctx.world_size).all() else "wrong"
+    pk.sync()
+    return messages
+
+
+def test_every_op_refuses_disagreeing_ranks_on_every_rank(clean):
+    everyone = pk.spawn(_disagreements, 2, timeout=120)
+    _report("disagreements, every op", clean())
+    for rank, messages in enumerate(everyone):
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul",
+                   "matmul_reduce_scatter", "matmul_all_reduce", "ring_attention", "ulysses_attention", "dtype"):
+            assert messages[op].startswith("MismatchError") and "ranks called it differently" in messages[op], \
+                (rank, op, messages[op])
+        assert "this rank's device is cpu" in messages["wrong device"], messages["wrong device"]
+        assert "contiguous" in messages["not contiguous"], messages["not contiguous"]
+        assert messages["zero size"] == "ok (0, 4)", messages["zero size"]
+        assert messages["after"] == "ok"
+
+
+# --- the machine and the parent ---------------------------------------------------------------------------------
+
+
+def _rank_and_tensor() -> tuple[int, torch.Tensor]:
+    ctx = pk.context()
+    return ctx.rank, torch.full((1000,), float(ctx.rank))
+
+
+def test_two_jobs_started_at_once_both_succeed(clean):
+    script = ("import sys; sys.path.insert(0, '.'); import parallelkittens as pk; from test_faults import "
+              "_rank_and_tensor as f; r = pk.spawn(f, 2); assert [x for x, _ in r] == [0, 1]; print('ok')")
+    jobs = [subprocess.Popen([sys.executable, "-c", script], cwd=HERE, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [job.communicate(timeout=120)[0] for job in jobs]
+    _report("two jobs at once", clean())
+    for job, out in zip(jobs, outputs, strict=True):
+        assert job.returncode == 0 and out.strip().endswith("ok"), out[-2000:]
+
+
+def test_results_always_arrive_on_a_busy_machine(clean):
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for i in range(50):
+            (rank, tensor), = pk.spawn(_rank_and_tensor, 1, timeout=60)
+            assert rank == 0 and tensor.shape == (1000,) and tensor.eq(0).all(), i
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    _report("50 spawns returning tensors, CPUs busy", clean())
+
+
+def _first_parallel_op() -> float:
+    pk.init()
+    x = torch.zeros(1 << 18)  # 1 MiB: large enough for torch to reach for its thread pool
+    return float((x + 1).sum() + torch.ones(300, 300).matmul(torch.ones(300, 300)).sum())
+
+
+def test_a_parent_that_used_its_thread_pool_can_spawn(clean):
+    torch.ones(1500, 1500) @ torch.ones(1500, 1500)  # the parent's OpenMP pool is now running
+    assert pk.spawn(_first_parallel_op, 2, timeout=60) == [float((1 << 18) + 300 * 300 * 300)] * 2
+    _report("spawn after a parent's matmul", clean())
+    assert clean() < 30
+
+
+# --- many calls -------------------------------------------------------------------------------------------------
+
+
+def _every_op_back_to_back(calls: int) -> list[str]:
+    ctx = pk.context()
+    dev, me = ctx.device, ctx.rank
+    x = torch.arange(64 * 16, dtype=torch.float32, device=dev).reshape(64, 16) * (me + 1) / 1000
+    b = torch.eye(16, device=dev) + 0.5
+    q = (torch.arange(2 * 16 * 32, dtype=torch.float32, device=dev).reshape(1, 2, 16, 32) * (me + 1)).sin()
+    ops = {
+        "all_reduce": lambda: pk.ops.all_reduce(x),
+        "all_gather": lambda: pk.ops.all_gather(x, 0),
+        "reduce_scatter": lambda: pk.ops.reduce_scatter(x, 0),
+        "all_to_all": lambda: pk.ops.all_to_all(x, 0, 1),
+        "barrier": lambda: pk.ops.barrier() or torch.zeros(1),
+        "all_gather_matmul": lambda: pk.ops.all_gather_matmul(x, b),
+        "matmul_reduce_scatter": lambda: pk.ops.matmul_reduce_scatter(x, b),
+        "matmul_all_reduce": lambda: pk.ops.matmul_all_reduce(x, b),
+        "ring_attention": lambda: pk.ops.ring_attention(q, q, q, causal=True, layout="zigzag"),
+        "ulysses_attention": lambda: pk.ops.ulysses_attention(q, q, q),
+    }
+    first = {name: op().clone() for name, op in ops.items()}
+    names, bad = list(ops), []
+    for i in range(calls):
+        name = names[i % len(names)]
+        if not torch.equal(ops[name](), first[name]):
+            bad.append(f"call {i} ({name}) differs from the first")
+    pk.sync()
+    return bad
+
+
+def test_every_op_called_back_to_back_gives_identical_results(clean):
+    calls = int(os.environ.get("PK_TEST_CALLS", "1000"))
+    for rank, bad in enumerate(pk.spawn(_every_op_back_to_back, 2, calls, timeout=900)):
+        assert not bad, f"rank {rank}: {bad[:5]}"
+    _report(f"{calls} back-to-back calls, every op", clean())
