@@ -22,6 +22,7 @@ if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
 
 from . import (  # noqa: E402
     language,
+    nn,
     ops,  # noqa: E402, I001
     template,
 )
@@ -36,7 +37,7 @@ from .runtime.sync import check_errors, sync  # noqa: E402
 
 __all__ = [
     "Context", "MismatchError", "PKError", "ParallelTensor", "RankError", "Settings", "WaitTimeoutError", "barrier",
-    "check_errors", "context", "empty", "finalize", "init", "is_initialized", "language", "num_sms", "ops", "spawn",
-    "sync", "template", "zeros",
+    "check_errors", "context", "empty", "finalize", "init", "is_initialized", "language", "nn", "num_sms", "ops",
+    "spawn", "sync", "template", "zeros",
 ]
 __version__ = "0.1.0"

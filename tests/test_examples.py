@@ -22,3 +22,10 @@ def test_ring_push_under_torchrun():
     assert out.returncode == 0, out.stderr[-3000:]
     # two processes share stdout, so their lines may interleave: look for the two values anywhere
     assert sorted(re.findall(r"\d\.0", out.stdout)) == ["1.0", "2.0"], out.stdout
+
+
+def test_tp_mlp_example_trains_like_torch():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_mlp.py"), "--ranks", "2", "--steps", "3"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, PK_DEBUG="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "losses agree to bf16 precision: True", out.stdout
