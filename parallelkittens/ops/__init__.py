@@ -1,6 +1,6 @@
 """Ops built on the primitives and the template, one module each, grouped by family: `collectives` (all_reduce,
 all_gather, reduce_scatter, all_to_all, barrier), `gemm` (matmul and the fused GEMMs) and `attention` (the flash
-kernel, ring and Ulysses attention). Every op runs through a
+kernel, ring and Ulysses attention) and `moe` (expert parallelism). Every op runs through a
 plan built once per call signature (`ops/plan.py`); ``pk.ops.<op>.plan(...)`` hands it out."""
 
 from .attention.flash import attention
@@ -15,7 +15,9 @@ from .gemm.all_gather_matmul import all_gather_matmul
 from .gemm.matmul import MatmulConfig, matmul
 from .gemm.matmul_all_reduce import matmul_all_reduce
 from .gemm.matmul_reduce_scatter import matmul_reduce_scatter
+from .moe.api import moe_dispatch_gemm, moe_gemm_combine
+from .moe.layout import MoeLayout, moe_layout
 
-__all__ = ["MatmulConfig", "all_gather", "all_gather_matmul", "all_reduce", "all_to_all", "attention", "barrier",
-           "matmul", "matmul_all_reduce", "matmul_reduce_scatter", "reduce_scatter", "ring_attention",
-           "shard_sequence", "ulysses_attention", "unshard_sequence"]
+__all__ = ["MatmulConfig", "MoeLayout", "all_gather", "all_gather_matmul", "all_reduce", "all_to_all", "attention",
+           "barrier", "matmul", "matmul_all_reduce", "matmul_reduce_scatter", "moe_dispatch_gemm", "moe_gemm_combine",
+           "moe_layout", "reduce_scatter", "ring_attention", "shard_sequence", "ulysses_attention", "unshard_sequence"]
