@@ -308,3 +308,53 @@ def _against_dtensor() -> list[str]:
 def test_layers_agree_with_torch_tensor_parallel(world):
     for rank, failures in enumerate(pk.spawn(_against_dtensor, world, timeout=600)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)
+
+
+def _graph_step(replays: int) -> list[str]:
+    """A training step (forward and backward of column -> SiLU -> row) captured in one CUDA graph, replayed with
+    new inputs: every replay's output and gradients equal an eager step's on the same inputs, bitwise."""
+    ctx = pk.context()
+    seed, failures = shared_seed(), []
+    d, h, T = 256, 512 * ctx.local_world_size // 2, 384
+    col = pk.nn.ColumnParallelLinear.from_linear(_linear(seed, 0, d, h).to(BF16))
+    row = pk.nn.RowParallelLinear.from_linear(_linear(seed, 1, h, d).to(BF16))
+    params = [*col.parameters(), *row.parameters()]
+    x = torch.randn(T // ctx.local_world_size, d, device=ctx.device, dtype=BF16, requires_grad=True)
+
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        out = row(torch.nn.functional.silu(col(x)))
+        out.float().square().sum().backward()
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    captured = [out, x.grad, *[p.grad for p in params]]
+    for i in range(replays):
+        with torch.no_grad():
+            x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + i)).to(x.device, BF16))
+        graph.replay()
+        if i % 20 == 0:
+            got = [t.clone() for t in captured]
+            eager = [step(), x.grad, *[p.grad for p in params]]
+            names = ["out", "dx", "column dw", "column db", "row dw", "row db"]
+            failures += [f"replay {i}: {p}" for p in (check_close(n, a.float(), b.double(), BF16, "gemm")
+                                                      for n, a, b in zip(names, got, eager, strict=True)) if p]
+    del graph
+    pk.sync()
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", worlds("2,4"))
+def test_gpu_training_step_in_a_cuda_graph(world):
+    for rank, failures in enumerate(pk.spawn(_graph_step, world, 100, timeout=600)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures)

@@ -19,6 +19,7 @@ from .collectives import bench_collective, plot
 from .fused import bench_fused, plot_fused
 from .host import bench_host
 from .matmul import bench_matmul
+from .moe import bench_moe, plot_moe
 from .runtime import bench_p2p, bench_runtime
 
 
@@ -48,6 +49,7 @@ BENCHMARKS: dict[str, Callable[[], dict]] = {
     "attention": bench_attention,
     "ring_attention": bench_ring_attention,
     "ulysses_attention": bench_ulysses_attention,
+    "moe": bench_moe,
 }
 
 
@@ -76,6 +78,8 @@ def plot_record(record: dict, path: str) -> bool:
         done = plot_fused(name, record, path)
     elif name in ("attention", "ring_attention", "ulysses_attention"):
         done = plot_attention(name, record, path)
+    elif name == "moe":
+        done = plot_moe(record, path)
     else:
         return False
     if done:

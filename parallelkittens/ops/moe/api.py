@@ -150,18 +150,18 @@ def _(dout, h, w2, weights, slots, layout_id, needs):
 
 
 def _combine_setup(ctx, inputs, output) -> None:
-    h, w2, weights, layout_id, _ = inputs
+    h, w2, weights, layout_id, keep_slots = inputs
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(h, w2, weights, output[1])
-    ctx.layout_id = layout_id
+    ctx.layout_id, ctx.kept_slots = layout_id, keep_slots
 
 
 def _combine_grads(ctx, dout, _slots):
     if dout is None:
         return None, None, None, None, None
     h, w2, weights, slots = ctx.saved_tensors
-    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and slots.numel() > 0]
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.kept_slots]
     dh, dw2, dweights = _combine_backward(dout, h, w2, weights, slots, ctx.layout_id, needs)
     return dh, (dw2 if needs[1] else None), (dweights if needs[2] else None), None, None
 

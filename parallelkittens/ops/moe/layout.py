@@ -126,7 +126,8 @@ class LayoutPlan:
         valid = real & (pairs >= 0) & (pairs < E)
         key = torch.where(valid, pairs, E)
         order = torch.argsort(key, stable=True)
-        per_expert = torch.bincount(key, minlength=E + 1)
+        # counts by scatter_add, not bincount (which synchronises with the host on a GPU to size its output)
+        per_expert = torch.zeros(E + 1, dtype=torch.long, device=self.device).scatter_add_(0, key, torch.ones_like(key))
         starts = torch.cumsum(per_expert, 0) - per_expert
         rank_in_expert = torch.empty_like(pairs)
         rank_in_expert[order] = torch.arange(n, device=self.device) - starts[key[order]]
