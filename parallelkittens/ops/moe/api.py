@@ -31,8 +31,9 @@ def _layout(layout_id: int) -> MoeLayout:
 
 
 def _rows_of(source: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
-    """Each expert row's token row, from the received tokens (or x at one rank); zero for rows of no pair."""
-    return source[layout.row_recv.long()] * layout.row_valid[:, None].to(source.dtype)
+    """Each expert row's token row, from the received tokens (or x at one rank); zero for rows of no pair (a
+    select, not a product: those rows may read received rows never written, which may hold inf or NaN)."""
+    return torch.where(layout.row_valid[:, None], source[layout.row_recv.long()], 0)
 
 
 def _per_expert(a: torch.Tensor, b: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
@@ -138,8 +139,8 @@ def _combine_backward(dout: torch.Tensor, h: torch.Tensor, w2: torch.Tensor, wei
                           layout)
     dweights = weights.new_empty(0)
     if needs[2]:
-        dweights = (slots.float() * dout.float()[:, None, :]).sum(-1) * layout.kept
-        dweights = dweights.to(weights.dtype)
+        products = (slots.float() * dout.float()[:, None, :]).sum(-1)
+        dweights = torch.where(layout.kept, products, 0).to(weights.dtype)  # a dropped pair's slot is never written
     return dh, dw2, dweights
 
 

@@ -187,10 +187,10 @@ class LayoutPlan:
             capacity=cap, block_rows=block, kept=kept_mine, dropped=~kept_mine, overflow=overflow,
             pull_src=(pull_order // t_max).int(), pull_tok=(pull_order % t_max).int(),
             pulled=token_mine.sum().int().view(1), max_pulled=max_pulled,
-            row_recv=received[row_pair // k].int(), row_src=(row_pair // (t_max * k)).int(),
+            row_recv=torch.where(mine_rows, received[row_pair // k], 0).int(), row_src=(row_pair // (t_max * k)).int(),
             row_slot=(row_pair % (t_max * k)).int(), row_pair=row_pair, row_valid=mine_rows, rows=rows,
             expert_offsets=offsets, tile_expert=tile_expert, tile_start=tile_start, tile_end=tile_end,
-            num_row_tiles=num_row_tiles, gathered_ids=every)
+            num_row_tiles=num_row_tiles)
 
     def block_for(self, rows: int) -> int:
         return block_rows(rows / max(1, self.epr))
