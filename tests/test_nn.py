@@ -358,3 +358,74 @@ def _graph_step(replays: int) -> list[str]:
 def test_gpu_training_step_in_a_cuda_graph(world):
     for rank, failures in enumerate(pk.spawn(_graph_step, world, 100, timeout=600)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)
+
+
+class _MyRows(torch.autograd.Function):
+    """Forward: this rank's block of rows (dim 0) or columns (dim 1) of a tensor every rank holds whole. Backward:
+    the whole tensor's gradient, every rank's block in place (an all_reduce of the zero-padded block)."""
+
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, dim: int) -> torch.Tensor:
+        c = pk.context()
+        n = full.shape[dim] // c.local_world_size
+        ctx.dim, ctx.start, ctx.shape = dim, c.local_rank * n, full.shape
+        return full.narrow(dim, ctx.start, n).clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        padded = grad.new_zeros(ctx.shape)
+        padded.narrow(ctx.dim, ctx.start, grad.shape[ctx.dim]).copy_(grad)
+        return _gather_sum(padded), None
+
+
+def _gather_sum(t: torch.Tensor) -> torch.Tensor:
+    return pk.ops.all_gather(t.contiguous().view(torch.int64)[None], 0).view(torch.float64).sum(0)
+
+
+class _EveryRanksRows(torch.autograd.Function):
+    """Forward: every rank's (T/W, n) block, concatenated (the whole output, the same on every rank). Backward:
+    this rank's block of the gradient."""
+
+    @staticmethod
+    def forward(ctx, mine: torch.Tensor) -> torch.Tensor:
+        ctx.rows, ctx.me = mine.shape[0], pk.context().local_rank
+        return pk.ops.all_gather(mine.contiguous().view(torch.int64), 0).view(torch.float64)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.me * ctx.rows:(ctx.me + 1) * ctx.rows]
+
+
+def _gradcheck() -> list[str]:
+    """torch.autograd.gradcheck of each layer, float64, as one function of every rank's inputs (the same on every
+    rank, so that every rank perturbs the same element at once): it checks the backward formulas, collectives
+    included."""
+    from parallelkittens.ops.gemm.parallel_linear import column_parallel_linear, row_parallel_linear
+
+    world, failures = pk.context().local_world_size, []
+    gen = torch.Generator().manual_seed(shared_seed())
+    T, din, dout = 2 * world, 3, 2 * world
+    f64 = torch.float64
+
+    def column(x, w_t, b):  # x (T, in) whole; w_t (in, out), b (out,): this rank's columns of each
+        return _EveryRanksRows.apply(column_parallel_linear(_MyRows.apply(x, 0), _MyRows.apply(w_t, 1),
+                                                            _MyRows.apply(b, 0)))
+
+    def row(x, w_t, b):  # x (T, in): this rank's columns; w_t (in, out): its rows; b (out,) replicated
+        return _EveryRanksRows.apply(row_parallel_linear(_MyRows.apply(x, 1), _MyRows.apply(w_t, 0), b))
+
+    for name, fn, shapes in (("column", column, ((T, din), (din, dout), (dout,))),
+                             ("row", row, ((T, dout), (dout, din), (din,)))):
+        inputs = [torch.randn(s, generator=gen, dtype=f64).to(pk.context().device).requires_grad_() for s in shapes]
+        try:
+            torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+        except Exception as e:  # noqa: BLE001 - report, do not leave the other ranks waiting
+            failures.append(f"{name}: {str(e).splitlines()[0]}")
+    pk.sync()
+    return failures
+
+
+@pytest.mark.parametrize("world", worlds("1,2"))
+def test_gradcheck_in_float64(world):
+    for rank, failures in enumerate(pk.spawn(_gradcheck, world, timeout=600)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures)

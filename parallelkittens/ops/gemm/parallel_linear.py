@@ -26,10 +26,53 @@ from ...runtime.context import context
 from ...runtime.errors import PKError
 from ..collectives.all_gather import all_gather
 from ..collectives.all_reduce import all_reduce
+from ..collectives.all_to_all import all_to_all
 from . import all_gather_matmul as agmm
 from .matmul_reduce_scatter import matmul_reduce_scatter
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16, torch.float64)  # float64: the exact, unfused path (for gradcheck)
+
+
+# float64 has no fused GEMM: the exact path moves its bytes with the collectives (as int64) and sums in float64.
+def _gather64(x: torch.Tensor) -> torch.Tensor:
+    return all_gather(x.contiguous().view(torch.int64), 0).view(torch.float64)
+
+
+def _reduce_scatter64(y: torch.Tensor) -> torch.Tensor:
+    world = context().local_world_size
+    parts = all_to_all(y.contiguous().view(torch.int64), 0, 0).view(torch.float64)
+    return parts.view(world, y.shape[0] // world, *y.shape[1:]).sum(0)
+
+
+def _all_reduce64(v: torch.Tensor) -> torch.Tensor:
+    return _gather64(v[None]).sum(0)
+
+
+def _side_stream() -> torch.cuda.Stream | None:
+    """The stream a backward's weight-gradient GEMM runs on, beside the input gradient's fused kernel (CUDA)."""
+    if not torch.cuda.is_available() or context().device.type != "cuda":
+        return None
+    cache = context().cache
+    if "linear.side_stream" not in cache:
+        cache["linear.side_stream"] = torch.cuda.Stream(context().device)
+    return cache["linear.side_stream"]
+
+
+def _overlapped(product, communicate):
+    """Run `product()` (a weight-gradient GEMM, torch.matmul) on a side stream while `communicate()` (the input
+    gradient's fused GEMM + reduce-scatter) runs on this one; returns (product's, communicate's) results."""
+    side = _side_stream()
+    if side is None:
+        return product(), communicate()
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        done = product()
+    result = communicate()
+    main.wait_stream(side)
+    if isinstance(done, torch.Tensor):
+        done.record_stream(main)
+    return done, result
 
 
 def check_linear(layer: str, x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, rows_divide: bool
@@ -44,7 +87,8 @@ def check_linear(layer: str, x: torch.Tensor, w_t: torch.Tensor, bias: torch.Ten
     if x.dtype != w_t.dtype:
         raise PKError(f"{layer}: the input is {x.dtype} but the weight {w_t.dtype}")
     if x.dtype not in DTYPES:
-        raise PKError(f"{layer}: dtype {x.dtype} is not supported; use bfloat16 or float16")
+        raise PKError(f"{layer}: dtype {x.dtype} is not supported; use bfloat16 or float16 (float64: an exact, "
+                      "unfused path, for checking gradients)")
     if x.shape[1] != w_t.shape[0]:
         raise PKError(f"{layer}: the input has {x.shape[1]} features, the layer's shard takes {w_t.shape[0]}")
     if bias is not None and (bias.shape != (w_t.shape[1],) or bias.dtype != x.dtype or bias.device != x.device):
@@ -62,6 +106,9 @@ def _bias_added(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 @torch.library.custom_op("parallelkittens::column_parallel_linear", mutates_args=())
 def _column(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, save_gathered: bool
             ) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dtype == torch.float64:
+        full = _gather64(x)
+        return _bias_added(full @ w_t, bias), full if save_gathered else x.new_empty(0)
     plan = agmm.plan(x, w_t)
     y = _bias_added(plan(x, w_t), bias)
     gathered = plan.gathered(x) if save_gathered else x.new_empty(0)
@@ -82,10 +129,17 @@ def _column_backward(dy: torch.Tensor, x: torch.Tensor, gathered: torch.Tensor, 
     empty tensor. dx's reduce-scatter is collective, so every rank runs it alike."""
     need_dx, need_dw, need_db, regather = needs
     dy = dy.contiguous()
-    dx = matmul_reduce_scatter(dy, w_t.t().contiguous()) if need_dx else dy.new_empty(0)
+    exact = dy.dtype == torch.float64
     if need_dw and regather:
-        gathered = all_gather(x.contiguous(), 0)
-    dw_t = torch.matmul(gathered.t(), dy) if need_dw else dy.new_empty(0)
+        gathered = _gather64(x) if exact else all_gather(x.contiguous(), 0)
+
+    def input_gradient() -> torch.Tensor:
+        if not need_dx:
+            return dy.new_empty(0)
+        return _reduce_scatter64(dy @ w_t.t()) if exact else matmul_reduce_scatter(dy, w_t.t().contiguous())
+
+    # the weight gradient on a side stream while the input gradient's reduce-scatter runs
+    dw_t, dx = _overlapped(lambda: torch.matmul(gathered.t(), dy) if need_dw else dy.new_empty(0), input_gradient)
     db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if need_db else dy.new_empty(0)
     return dx, dw_t, db
 
@@ -119,6 +173,8 @@ _column.register_autograd(_column_grads, setup_context=_column_setup)
 
 @torch.library.custom_op("parallelkittens::row_parallel_linear", mutates_args=())
 def _row(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dtype == torch.float64:
+        return _bias_added(_reduce_scatter64(x @ w_t), bias)
     return _bias_added(matmul_reduce_scatter(x, w_t), bias)
 
 
@@ -134,6 +190,11 @@ def _row_backward(dy: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, needs: l
     (collective); dw_t reads it straight from the fused kernel's scratch."""
     need_dx, need_dw, need_db = needs
     dy = dy.contiguous()
+    if dy.dtype == torch.float64:
+        full = _gather64(dy)
+        dx, dw_t = full @ w_t.t(), x.t() @ full
+        db = _all_reduce64(dy.sum(0)) if need_db else dy.new_empty(0)
+        return (dx if need_dx else dy.new_empty(0)), (dw_t if need_dw else dy.new_empty(0)), db
     w = w_t.t().contiguous()
     plan = agmm.plan(dy, w)
     dx = plan(dy, w)
