@@ -21,6 +21,7 @@ from .host import bench_host
 from .matmul import bench_matmul
 from .moe import bench_moe, plot_moe
 from .runtime import bench_p2p, bench_runtime
+from .tp_mlp import bench_tp_mlp, plot_tp_mlp
 
 
 def _collective(name: str) -> Callable[[], dict]:
@@ -50,6 +51,7 @@ BENCHMARKS: dict[str, Callable[[], dict]] = {
     "ring_attention": bench_ring_attention,
     "ulysses_attention": bench_ulysses_attention,
     "moe": bench_moe,
+    "tp_mlp": bench_tp_mlp,
 }
 
 
@@ -80,6 +82,8 @@ def plot_record(record: dict, path: str) -> bool:
         done = plot_attention(name, record, path)
     elif name == "moe":
         done = plot_moe(record, path)
+    elif name == "tp_mlp":
+        done = plot_tp_mlp(record, path)
     else:
         return False
     if done:
