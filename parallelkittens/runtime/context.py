@@ -314,7 +314,10 @@ def _arrive(ctx: Context, step: str, members: list[int]) -> None:
     a rank that never comes (stuck, dead, or calling something else) is named instead of hanging the job."""
     if ctx.store is None or len(members) == 1:
         return
-    tag = f"arrive/{members[0]}+{len(members)}"
+    # the whole member list names the group (two groups may share a first rank and a size); the restart count
+    # keeps a restarted job (torchrun --max-restarts) off the keys of the run before it
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    tag = f"arrive/{restart}/{','.join(map(str, members))}"
     seq = ctx._arrivals[tag]
     ctx._arrivals[tag] += 1
     ctx.store.set(f"{tag}/{seq}/{ctx.rank}", step)
@@ -324,8 +327,22 @@ def _arrive(ctx: Context, step: str, members: list[int]) -> None:
         ctx.store.wait(keys, datetime.timedelta(seconds=bound))
     except Exception:  # the store's timeout types differ across torch versions
         missing = [r for r in members if not ctx.store.check([f"{tag}/{seq}/{r}"])]
-        raise PKError(f"rank {ctx.rank}: waited {bound:g} s (PK_TIMEOUT) at {step!r} for rank(s) {missing}, which "
-                      "never arrived: they are stuck in an earlier step, dead, or did not make this call") from None
+        if not missing:  # they came just as the wait gave up
+            return _forget(ctx, tag, seq)
+        ctx.broken = f"rank(s) {missing} did not arrive within {bound:g} s (PK_TIMEOUT) at {step!r}"
+        raise PKError(f"rank {ctx.rank}: rank(s) {missing} did not arrive within {bound:g} s (PK_TIMEOUT) at "
+                      f"{step!r}: they are stuck in an earlier step, dead, or did not make this call") from None
+    _forget(ctx, tag, seq)
+
+
+def _forget(ctx: Context, tag: str, seq: int) -> None:
+    """Delete this rank's key of two steps back: every member has passed that step's wait (they all set their key
+    of the step after it, which this rank just saw), so none reads it again; the store stays small."""
+    if seq >= 2:
+        try:
+            ctx.store.delete_key(f"{tag}/{seq - 2}/{ctx.rank}")
+        except Exception:  # noqa: BLE001 - a store without delete_key keeps its keys; nothing else changes
+            pass
 
 
 def finalize() -> None:

@@ -140,7 +140,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
         store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                                            timeout=datetime.timedelta(seconds=settings.join_timeout_s))
         for conn in conns:
-            conn.send(store.port)
+            try:
+                conn.send(store.port)
+            except OSError:  # that rank died before it read the port: _collect reports its death
+                pass
         return _collect(procs, conns, timeout)
     finally:
         _stop(procs)
@@ -167,7 +170,7 @@ class Failure(NamedTuple):
 
 # What a rank says when it failed because another rank did: its transport broke, or a wait for a peer gave up.
 _CONSEQUENCES = ("Connection closed", "Connection reset", "Connection refused", "Broken pipe", "Read error",
-                 "Socket Timeout", "Timed out waiting", "DistBackendError", "WaitTimeoutError", "which never arrived",
+                 "Socket Timeout", "Timed out waiting", "DistBackendError", "WaitTimeoutError", "did not arrive within",
                  "EOFError", "ConnectionResetError", "ranks are at different steps")
 
 
@@ -182,8 +185,10 @@ def originating(failures: list[Failure]) -> Failure:
 def _receive(conn) -> tuple:
     try:
         return pickle.loads(conn.recv_bytes())
-    except EOFError:  # the pipe closed without a word: the rank died
+    except (EOFError, OSError):  # the pipe closed without a word: the rank died
         return ("died",)
+    except Exception as e:  # noqa: BLE001 - it sent something the parent cannot read: that rank failed
+        return ("error", f"sent a result the parent could not read ({type(e).__name__}: {e})", None, "")
 
 
 def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
@@ -197,6 +202,8 @@ def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
         if failed_at is not None and now > failed_at + _GRACE_S:
             break
         if now > deadline:
+            if failures:  # a failure seen within the grace before the deadline: report it, not the deadline
+                break
             waiting = sorted(set(range(world_size)) - set(results) - set(failures))
             raise PKError(f"pk.spawn: rank(s) {waiting} still running after {timeout:g} s; all ranks were stopped")
         pending = {conns[r]: r for r in range(world_size) if r not in results and r not in failures}
@@ -227,6 +234,9 @@ def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
         cause = originating(list(failures.values()))
         others = [f for f in sorted(failures.values()) if f is not cause]
         then = "".join(f"\n  rank {f.rank}: {f.message.splitlines()[0] if f.message else ''}" for f in others)
+        running = sorted(set(range(world_size)) - set(results) - set(failures))
+        if running:
+            then += f"\n  rank(s) {running} were still running (stopped)"
         if then:
             then = "\n--- then, in the order they arrived ---" + then
         if cause.died:
