@@ -299,3 +299,39 @@ def _gpu_moe(replays: int) -> list[str]:
 def test_gpu_bf16_and_capacity_graph_replays(world):
     for rank, failures in enumerate(pk.spawn(_gpu_moe, world, 100, timeout=600)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)
+
+
+def _inside_a_module() -> list[str]:
+    """A module that builds its layout in forward and returns only the output (the layout is not held by the
+    caller), with x needing a gradient on rank 0 only: the backward still runs on every rank, and w1's gradient
+    equals the one from a run where every x needs one."""
+    ctx = pk.context()
+    dev, me, epr = ctx.device, ctx.local_rank, EXPERTS_PER_RANK
+    gen = torch.Generator().manual_seed(shared_seed())
+    E = epr * ctx.local_world_size
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(6)]).to(dev)
+    x, wt = torch.randn(6, H, generator=gen).to(dev), torch.rand(6, TOP_K, generator=gen).to(dev)
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = torch.nn.Parameter(torch.randn(epr, H, INNER, generator=gen).to(dev))
+            self.w2 = torch.nn.Parameter(torch.randn(epr, INNER, H, generator=gen).to(dev))
+
+        def forward(self, tokens):
+            a, _ = pk.ops.moe_dispatch_gemm(tokens, ids, self.w1)
+            return pk.ops.moe_gemm_combine(torch.nn.functional.silu(a), self.w2, _, wt)
+
+    model, grads = Experts(), []
+    for everyone in (True, False):
+        model.zero_grad()
+        model(x.clone().requires_grad_(everyone or me == 0)).square().sum().backward()
+        grads.append(model.w1.grad.clone())
+    pk.sync()
+    return [] if torch.equal(grads[0], grads[1]) else ["w1's gradient changed with who needs dx"]
+
+
+@pytest.mark.parametrize("world", worlds("2"))
+def test_layout_held_by_autograd_and_collective_backward(world):
+    for rank, failures in enumerate(pk.spawn(_inside_a_module, world, timeout=600)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures)

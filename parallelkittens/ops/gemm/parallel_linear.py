@@ -162,10 +162,11 @@ def _column_grads(ctx, dy, _gathered):
     if dy is None:  # the output took no part in the loss
         return None, None, None, None
     x, gathered, w_t = ctx.saved_tensors
-    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2],
-             ctx.regather]
+    # the input gradient's reduce-scatter is collective: every rank runs it when there are peers
+    needs = [ctx.needs_input_grad[0] or context().local_world_size > 1, ctx.needs_input_grad[1],
+             ctx.has_bias and ctx.needs_input_grad[2], ctx.regather]
     dx, dw_t, db = _column_backward(dy, x, gathered, w_t, needs)
-    return (dx if needs[0] else None), (dw_t if needs[1] else None), (db if needs[2] else None), None
+    return (dx if ctx.needs_input_grad[0] else None), (dw_t if needs[1] else None), (db if needs[2] else None), None
 
 
 _column.register_autograd(_column_grads, setup_context=_column_setup)

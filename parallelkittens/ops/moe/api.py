@@ -8,8 +8,10 @@ op's kernel run the other way:
   hᵀ (w · rows(dout)) over expert e's rows; dw[t, j] = <dout[t], out row of pair (t, j)> (the forward keeps the
   slots when the weights need a gradient).
 
-A custom op cannot take a Python object, so the ops name the layout by its id (`layout.id`); the layout must
-outlive the backward (it does while the caller holds it, as `moe_dispatch_gemm` returns it).
+A custom op cannot take a Python object, so the ops name the layout by its id (`layout.id`); autograd holds the
+layout until the backward has run. Under torch.compile the id is a constant of the graph: a new layout (a new
+routing) means a new graph, so compile a function that takes the routing's layout as built outside it only
+where the layout is reused (serving with a fixed capacity layout captured in a CUDA graph is the fast path).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def _layout(layout_id: int) -> MoeLayout:
 def _rows_of(source: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
     """Each expert row's token row, from the received tokens (or x at one rank); zero for rows of no pair (a
     select, not a product: those rows may read received rows never written, which may hold inf or NaN)."""
+    if source.shape[0] == 0:  # nothing was pulled (no tokens anywhere): every row is a row of no pair
+        return source.new_zeros(layout.rows, source.shape[1])
     return torch.where(layout.row_valid[:, None], source[layout.row_recv.long()], 0)
 
 
@@ -67,12 +71,12 @@ def _dispatch_backward(da: torch.Tensor, x: torch.Tensor, received: torch.Tensor
     layout = _layout(layout_id)
     da = da.contiguous().to(w1.dtype)
     dx = x.new_empty(0)
-    if needs[0]:
+    if needs[0] or layout.world > 1:  # collective: every rank runs it, whether or not its x needs a gradient
         slots = combine.plan(da, w1.transpose(1, 2), layout)(da, w1.transpose(1, 2), layout)
-        dx = combine.sum_slots(slots, layout.kept, None, x.dtype)
+        dx = combine.sum_slots(slots, layout.kept, None, x.dtype) if needs[0] else dx
     dw1 = w1.new_empty(0)
     if needs[1]:
-        dw1 = _per_expert(_rows_of(received if received.numel() else x, layout), da, layout)
+        dw1 = _per_expert(_rows_of(received if layout.world > 1 else x, layout), da, layout)
     return dx, dw1
 
 
@@ -87,6 +91,7 @@ def _dispatch_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, output[1], w1)
     ctx.layout_id = layout_id
+    ctx.layout = _layout(layout_id)  # held until the backward has run, however the caller keeps it
 
 
 def _dispatch_grads(ctx, da, _received):
@@ -139,7 +144,7 @@ def _combine_backward(dout: torch.Tensor, h: torch.Tensor, w2: torch.Tensor, wei
                           layout)
     dweights = weights.new_empty(0)
     if needs[2]:
-        products = (slots.float() * dout.float()[:, None, :]).sum(-1)
+        products = torch.bmm(slots, dout[:, :, None]).squeeze(-1).float()  # no (T, k, H) fp32 temporaries
         dweights = torch.where(layout.kept, products, 0).to(weights.dtype)  # a dropped pair's slot is never written
     return dh, dw2, dweights
 
@@ -156,6 +161,7 @@ def _combine_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(h, w2, weights, output[1])
     ctx.layout_id, ctx.kept_slots = layout_id, keep_slots
+    ctx.layout = _layout(layout_id)  # held until the backward has run, however the caller keeps it
 
 
 def _combine_grads(ctx, dout, _slots):

@@ -62,8 +62,8 @@ def sum_slots(slots: torch.Tensor, kept: torch.Tensor, weights: torch.Tensor | N
         return out
     BT, BH = 16, min(256, next_power_of_2(H))
     _weighted_sum_kernel[(cdiv(T, BT), cdiv(H, BH))](
-        slots, weights if weights is not None else slots, kept.view(torch.uint8), out, T, H, TOP_K=k, BT=BT, BH=BH,
-        WEIGHTED=weights is not None)
+        slots, weights.contiguous() if weights is not None else slots, kept.view(torch.uint8), out, T, H, TOP_K=k,
+        BT=BT, BH=BH, WEIGHTED=weights is not None)
     return out
 
 
@@ -103,7 +103,7 @@ class CombinePlan:
 def plan(h: torch.Tensor, w: torch.Tensor, layout: MoeLayout, weights: torch.Tensor | None = None) -> CombinePlan:
     """The plan for combines of expert rows like `h` through experts like `w` (collective the first time)."""
     op = "moe_gemm_combine"
-    key = (op, layout.max_tokens, layout.top_k, tuple(getattr(w, "shape", ())), getattr(h, "dtype", None),
+    key = (op, layout.buffer_tokens, layout.top_k, tuple(getattr(w, "shape", ())), getattr(h, "dtype", None),
            layout.block_rows)
     found = plans.find(key)
     if found is not None:
@@ -114,10 +114,10 @@ def plan(h: torch.Tensor, w: torch.Tensor, layout: MoeLayout, weights: torch.Ten
         check_weight(op, "w2", w, h.dtype, layout.experts_per_rank, h.shape[1])
         if weights is not None:
             check_weights(op, weights, layout)
-        return (f"{op} of up to {layout.max_tokens} tokens, top-{layout.top_k}, {layout.experts_per_rank} experts "
+        return (f"{op} of up to {layout.buffer_tokens} tokens, top-{layout.top_k}, {layout.experts_per_rank} experts "
                 f"per rank of ({h.shape[1]}, {w.shape[2]}) {h.dtype}, tiles of {layout.block_rows} rows")
 
-    return plans.get(key, lambda: CombinePlan(layout.max_tokens, layout.top_k, h.shape[1], w.shape[2],
+    return plans.get(key, lambda: CombinePlan(layout.buffer_tokens, layout.top_k, h.shape[1], w.shape[2],
                                               layout.experts_per_rank, h.dtype, layout.block_rows), check)
 
 

@@ -93,7 +93,7 @@ class DispatchPlan:
 def plan(x: torch.Tensor, w: torch.Tensor, layout: MoeLayout) -> DispatchPlan:
     """The plan for dispatches of tokens like `x` into experts like `w` (collective the first time)."""
     op = "moe_dispatch_gemm"
-    key = (op, layout.max_tokens, getattr(x, "shape", (0, 0))[-1], tuple(getattr(w, "shape", ())),
+    key = (op, layout.buffer_tokens, getattr(x, "shape", (0, 0))[-1], tuple(getattr(w, "shape", ())),
            getattr(x, "dtype", None), layout.block_rows)
     found = plans.find(key)
     if found is not None:
@@ -102,10 +102,10 @@ def plan(x: torch.Tensor, w: torch.Tensor, layout: MoeLayout) -> DispatchPlan:
     def check() -> str:
         check_tokens(op, x, layout)
         check_weight(op, "w1", w, x.dtype, layout.experts_per_rank, x.shape[1])
-        return (f"{op} of up to {layout.max_tokens} tokens of {x.shape[1]} {x.dtype} into {layout.experts_per_rank}"
+        return (f"{op} of up to {layout.buffer_tokens} tokens of {x.shape[1]} {x.dtype} into {layout.experts_per_rank}"
                 f" experts per rank of ({x.shape[1]}, {w.shape[2]}), tiles of {layout.block_rows} rows")
 
-    return plans.get(key, lambda: DispatchPlan(layout.max_tokens, x.shape[1], w.shape[2], layout.experts_per_rank,
+    return plans.get(key, lambda: DispatchPlan(layout.buffer_tokens, x.shape[1], w.shape[2], layout.experts_per_rank,
                                                x.dtype, layout.block_rows), check)
 
 

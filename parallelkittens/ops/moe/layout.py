@@ -49,6 +49,13 @@ class MoeLayout:
         self.id = next(_IDS)
         layouts()[self.id] = self
 
+    @property
+    def buffer_tokens(self) -> int:
+        """Tokens the ops' buffers hold: `max_tokens` rounded up (to 256 on a GPU), so that a job whose largest
+        token count moves a little reuses its plans and heap buffers instead of making new ones."""
+        step = 256 if self.kept.is_cuda else 1
+        return -(-self.max_tokens // step) * step
+
     def expert_rows(self) -> list[tuple[int, int]]:
         """Each local expert's (start, end) rows; in capacity mode the whole C rows reserved for it (rows past its
         count are zero in the activations)."""
@@ -133,22 +140,27 @@ class LayoutPlan:
         rank_in_expert[order] = torch.arange(n, device=self.device) - starts[key[order]]
         kept = valid if cap is None else valid & (rank_in_expert < cap)
         local = per_expert[me * epr:(me + 1) * epr]
+        mine_pairs = kept & (pairs // epr == me)
+        # as a destination: the tokens to pull, one per (token, this rank), sources in the order me, me+1, ...
+        # (so that the ranks do not all read rank 0 first), tokens in order; each token's received row
+        token_mine = mine_pairs.view(-1, k).any(1)
+        rotated = token_mine.view(W, t_max).roll(-me, 0).flatten()
+        pulled = rotated.sum().int().view(1)
         if cap is None:
             bad = real & ~valid
-            facts = torch.cat([local, bad.view(W, -1).any(1).long(), torch.where(bad, pairs, 0).view(W, -1).sum(1)])
-            facts = facts.tolist()  # the one synchronisation of dropless mode
+            facts = torch.cat([local, pulled.long(), valid.sum().view(1), bad.view(W, t_max * k).any(1).long()])
+            facts = facts.tolist()  # with the token counts' exchange, the host round trips of dropless mode
             for r in range(W):
-                if facts[epr + r]:
+                if facts[epr + 2 + r]:
                     raise PKError(f"moe_layout: rank {r}'s topk_ids hold ids outside [0, {E}) (the experts)")
-            local_counts = facts[:epr]
+            local_counts, max_pulled = facts[:epr], facts[epr]
+            block = block_rows(facts[epr + 1] / E)  # from what every rank sees: the same tile height everywhere
             offsets = [0, *itertools.accumulate(local_counts)]
             rows = offsets[-1]
-            mine_pairs = kept & (pairs // epr == me)
             row = torch.tensor(offsets[:-1], device=self.device)[(pairs - me * epr).clamp(0, epr - 1)] + \
                 rank_in_expert
-            tiles = [(e, s, min(s + self.block_for(rows), offsets[e + 1]))
-                     for e in range(epr) for s in range(offsets[e], offsets[e + 1], self.block_for(rows))]
-            block = self.block_for(rows)
+            tiles = [(e, s, min(s + block, offsets[e + 1]))
+                     for e in range(epr) for s in range(offsets[e], offsets[e + 1], block)]
             table = torch.tensor(list(zip(*tiles, strict=True)) or [[0], [0], [0]], dtype=torch.int32,
                                  device=self.device)
             tile_expert, tile_start, tile_end = table[0], table[1], table[2]
@@ -157,23 +169,20 @@ class LayoutPlan:
         else:
             block = self.block
             rows = epr * cap
-            mine_pairs = kept & (pairs // epr == me)
+            max_pulled = min(W * t_max, rows)
             row = (pairs - me * epr) * cap + rank_in_expert
             tile_expert, tile_start = self.tile_expert, self.tile_start
             tile_end = tile_expert * cap + local.clamp(max=cap).int()[tile_expert.long()]
             num_row_tiles = tile_expert.numel()
             overflow = (local - cap).clamp(min=0).int()
             offsets = None
-        # as a destination: the tokens to pull, in (source, token) order; each pair's received row
-        token_mine = mine_pairs.view(-1, k).any(1) if n else torch.zeros(0, dtype=torch.bool, device=self.device)
-        max_pulled = W * t_max if cap is None else min(W * t_max, rows)
         if W == 1:  # nothing to pull: a pair reads its token's row of x directly
             pull_order = torch.zeros(0, dtype=torch.long, device=self.device)
             received = torch.arange(t_max, device=self.device)
             max_pulled = 0
         else:
-            pull_order = torch.argsort((~token_mine).to(torch.int8), stable=True)[:max_pulled]
-            received = torch.cumsum(token_mine, 0) - 1
+            pull_order = torch.argsort((~rotated).to(torch.int8), stable=True)[:max_pulled]
+            received = (torch.cumsum(rotated, 0) - 1).view(W, t_max).roll(me, 0).flatten()
         received = torch.cat([received, received.new_zeros(1)])  # rows of no pair read entry 0
         row = torch.where(mine_pairs, row, rows)  # pairs not mine write a row past the end, dropped below
         pair_ids = torch.arange(n, device=self.device)
@@ -185,15 +194,12 @@ class LayoutPlan:
         return MoeLayout(
             num_experts=E, experts_per_rank=epr, top_k=k, world=W, tokens=T, max_tokens=t_max, token_counts=counts,
             capacity=cap, block_rows=block, kept=kept_mine, dropped=~kept_mine, overflow=overflow,
-            pull_src=(pull_order // t_max).int(), pull_tok=(pull_order % t_max).int(),
-            pulled=token_mine.sum().int().view(1), max_pulled=max_pulled,
+            pull_src=((pull_order // t_max + me) % W).int(), pull_tok=(pull_order % t_max).int(),
+            pulled=pulled, max_pulled=max_pulled,
             row_recv=torch.where(mine_rows, received[row_pair // k], 0).int(), row_src=(row_pair // (t_max * k)).int(),
             row_slot=(row_pair % (t_max * k)).int(), row_pair=row_pair, row_valid=mine_rows, rows=rows,
             expert_offsets=offsets, tile_expert=tile_expert, tile_start=tile_start, tile_end=tile_end,
             num_row_tiles=num_row_tiles)
-
-    def block_for(self, rows: int) -> int:
-        return block_rows(rows / max(1, self.epr))
 
 
 def plan(topk_ids: torch.Tensor, num_experts: int, *, capacity: int | None = None) -> LayoutPlan:
