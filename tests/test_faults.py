@@ -264,3 +264,18 @@ def test_every_op_called_back_to_back_gives_identical_results(clean):
     for rank, bad in enumerate(pk.spawn(_every_op_back_to_back, 2, calls, timeout=900)):
         assert not bad, f"rank {rank}: {bad[:5]}"
     _report(f"{calls} back-to-back calls, every op", clean())
+
+
+def test_torchrun_names_the_originating_failure(clean):
+    """Under torchrun, rank 1 raises; ranks 0 and 2 then fail waiting for it. torchrun's report names rank 1's own
+    error as the root cause (the ranks date a consequence's error file later than a cause's)."""
+    start = time.monotonic()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
+           os.path.join(os.path.dirname(__file__), "torchrun_failure.py")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PK_TIMEOUT="5", PK_DEBUG="0"))
+    _report("torchrun: a rank raises", time.monotonic() - start)
+    assert out.returncode != 0
+    root = out.stderr[out.stderr.find("Root Cause"):]
+    assert "Root Cause" in out.stderr and "rank 1's own mistake" in root.split("Other Failures")[0], out.stderr[-4000:]
+    assert "rank      : 1" in root.split("Other Failures")[0], out.stderr[-4000:]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .errors import MismatchError, PKError
+from .errors import MismatchError, PKError, report_to_torchrun
 from .settings import Settings
 
 BACKENDS = ("cuda", "cuda-shared", "cpu")
@@ -179,6 +179,7 @@ def init(backend: str | None = None, *, join_timeout: float | None = None) -> Co
             raise PKError(f"pk.init(backend={backend!r}) after this rank already initialised as {_CTX.backend!r}")
         return _CTX
     settings = Settings.from_env()
+    report_to_torchrun()
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import time
+import traceback
 from collections.abc import Callable
 
 
@@ -46,3 +51,44 @@ class RankError(PKError):
         self.rank = rank
         self.original = original
         self.remote_traceback = remote_traceback
+
+
+# What a rank says when it failed because another rank did: its transport broke, or a wait for a peer gave up.
+CONSEQUENCES = ("Connection closed", "Connection reset", "Connection refused", "Broken pipe", "Read error",
+                "Socket Timeout", "Timed out waiting", "DistBackendError", "WaitTimeoutError", "did not arrive within",
+                "EOFError", "ConnectionResetError", "ranks are at different steps")
+
+
+def is_consequence(message: str) -> bool:
+    """Whether a rank's error reads as a consequence of another rank's failure rather than a cause."""
+    return any(c in message for c in CONSEQUENCES)
+
+
+# A consequence's error file is dated this much later, so that torchrun names a cause within it as the root cause.
+CONSEQUENCE_DELAY_S = 60
+
+
+def report_to_torchrun() -> None:
+    """Under torchrun (TORCHELASTIC_ERROR_FILE set), write an uncaught exception to this rank's error file, which
+    torchrun reads to name the root cause: the failure with the earliest time. A consequence of another rank's
+    failure (a peer gone, a wait given up) is dated CONSEQUENCE_DELAY_S later, so that the rank that failed first
+    on its own is named, not the first rank whose transport broke."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or getattr(sys.excepthook, "pk_reports", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        message = f"{kind.__name__}: {value}"
+        when = int(time.time()) + (CONSEQUENCE_DELAY_S if is_consequence(message) else 0)
+        record = {"message": {"message": message, "extraInfo": {
+            "py_callstack": "".join(traceback.format_exception(kind, value, tb)), "timestamp": str(when)}}}
+        try:
+            with open(path, "w") as f:
+                json.dump(record, f)
+        except OSError:
+            pass
+        previous(kind, value, tb)
+
+    hook.pk_reports = True
+    sys.excepthook = hook

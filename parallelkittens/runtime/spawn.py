@@ -29,7 +29,7 @@ import torch
 import torch.distributed
 
 from . import context as _context
-from .errors import PKError, RankError
+from .errors import PKError, RankError, is_consequence
 from .memory import _SHM_DIR, shm_prefix
 from .settings import Settings
 
@@ -168,17 +168,11 @@ class Failure(NamedTuple):
     died: bool = False
 
 
-# What a rank says when it failed because another rank did: its transport broke, or a wait for a peer gave up.
-_CONSEQUENCES = ("Connection closed", "Connection reset", "Connection refused", "Broken pipe", "Read error",
-                 "Socket Timeout", "Timed out waiting", "DistBackendError", "WaitTimeoutError", "did not arrive within",
-                 "EOFError", "ConnectionResetError", "ranks are at different steps")
-
-
 def originating(failures: list[Failure]) -> Failure:
     """The failure that started it: the earliest that is not a consequence of another rank's (a death always
     counts as a cause), else the earliest."""
     ordered = sorted(failures)
-    causes = [f for f in ordered if f.died or not any(c in f.message for c in _CONSEQUENCES)]
+    causes = [f for f in ordered if f.died or not is_consequence(f.message)]
     return (causes or ordered)[0]
 
 
