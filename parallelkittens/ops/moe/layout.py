@@ -10,8 +10,10 @@ order. From it this rank keeps
   reads (`row_recv`), its source rank (`row_src`), its slot (token * k + j) there (`row_slot`) and its global
   pair index (`row_pair`); row tiles that never straddle two experts (`tile_expert`, `tile_start`, `tile_end`).
 
-**Dropless** (default): rows per expert are exact; their counts come to the host once (one synchronisation,
-which also checks every rank's ids and learns every rank's token count). **Static capacity** (`capacity=C`):
+**Dropless** (default): rows per expert are exact. Two host round trips per layout: the ranks' token counts
+(through the store), then one device synchronisation that brings this rank's row counts, the number of tokens it
+pulls and every rank's id check to the host. The tile height is chosen from what every rank sees (all pairs over
+all experts), so that every rank builds the same plans. **Static capacity** (`capacity=C`):
 expert e's rows are e·C … e·C + min(count, C); pairs past C in the global order are dropped and counted
 (`overflow` per local expert, `dropped` per pair of this rank); every size is fixed by (T, k, E, C), nothing
 waits for the host, and the whole layout can be captured in a CUDA graph. Ids outside [0, E) are an error in
