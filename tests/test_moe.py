@@ -10,10 +10,19 @@ from conftest import worlds
 
 import parallelkittens as pk
 from parallelkittens.ops.moe.layout import reference_routing
-from parallelkittens.testing import check_close, shared_seed
+from parallelkittens.testing import check_close, relative_error, shared_seed
 
 CASES = ("random", "one_expert", "empty_experts", "one_rank", "ragged")
 H, INNER, TOP_K, EXPERTS_PER_RANK = 32, 48, 2, 3
+
+
+def _check(what: str, got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, on_gpu: bool) -> str | None:
+    """The GEMM bounds; float32 on a GPU runs as TF32 on the tensor cores (as the project's GEMMs do), and two
+    chained products add their errors: 5e-3 there."""
+    if dtype == torch.float32 and on_gpu:
+        err = relative_error(got, ref)
+        return None if err <= 5e-3 else f"{what} {dtype}: relative error {err:.2e} (bound 5e-3, TF32)"
+    return check_close(what, got, ref, dtype, "gemm")
 
 
 def _routing(case: str, gen: torch.Generator, world: int, tokens: list[int]) -> list[torch.Tensor]:
@@ -89,7 +98,7 @@ def _case(case: str, dtype: torch.dtype, capacity: int | None) -> list[str]:
             continue
         if r is None:  # a rank with no tokens: the reference never used its (empty) x or weights
             r = torch.zeros(g.shape, dtype=torch.float64)
-        problem = check_close(f"{case} {name}", g.detach().float().cpu(), r.detach(), dtype, "gemm")
+        problem = _check(f"{case} {name}", g.detach().float().cpu(), r.detach(), dtype, dev.type == "cuda")
         if problem and r.numel():
             failures.append(problem)
     if not torch.equal(layout.dropped.cpu(), ~kept[me]):
