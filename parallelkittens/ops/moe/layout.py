@@ -192,13 +192,28 @@ class LayoutPlan:
         row_pair = row_pair[:rows]
         mine_rows = torch.zeros(rows + 1, dtype=torch.bool, device=self.device).index_put_((row,), mine_pairs)[:rows]
         row_pair = torch.where(mine_rows, row_pair, 0)
+        row_recv = torch.where(mine_rows, received[row_pair // k], 0)
+        if W > 1 and num_row_tiles > 1:
+            # tiles in the order their last row lands (sources are pulled me, me+1, ...): the compute programs
+            # start on tiles whose tokens are in while the rest is still being pulled
+            if cap is not None:  # capacity: expert e's tiles start at e·C
+                per = cdiv(cap, block)
+                at = torch.arange(rows, device=self.device)
+                row_tile = (at // cap) * per + (at % cap) // block
+            else:  # dropless: tiles are the ranges in the table, in order
+                row_tile = torch.searchsorted(tile_start[:num_row_tiles].contiguous(),
+                                              torch.arange(rows, device=self.device, dtype=torch.int32), right=True) - 1
+            last = torch.full((num_row_tiles,), -1, dtype=torch.long, device=self.device).scatter_reduce_(
+                0, row_tile, torch.where(mine_rows, row_recv, -1), "amax")
+            order = torch.argsort(last, stable=True)
+            tile_expert, tile_start, tile_end = tile_expert[order], tile_start[order], tile_end[order]
         kept_mine = kept.view(W, t_max, k)[me, :T]
         return MoeLayout(
             num_experts=E, experts_per_rank=epr, top_k=k, world=W, tokens=T, max_tokens=t_max, token_counts=counts,
             capacity=cap, block_rows=block, kept=kept_mine, dropped=~kept_mine, overflow=overflow,
             pull_src=((pull_order // t_max + me) % W).int(), pull_tok=(pull_order % t_max).int(),
             pulled=pulled, max_pulled=max_pulled,
-            row_recv=torch.where(mine_rows, received[row_pair // k], 0).int(), row_src=(row_pair // (t_max * k)).int(),
+            row_recv=row_recv.int(), row_src=(row_pair // (t_max * k)).int(),
             row_slot=(row_pair % (t_max * k)).int(), row_pair=row_pair, row_valid=mine_rows, rows=rows,
             expert_offsets=offsets, tile_expert=tile_expert, tile_start=tile_start, tile_end=tile_end,
             num_row_tiles=num_row_tiles)
