@@ -122,14 +122,17 @@ def _attend_keys(acc, m, denom, q, k_ptr, v_ptr, stride_kn, stride_vn, n_k, q_po
                 keep = keep & (position(offs_n, k_seg_len, k_seg0, k_seg1)[None, :] <= q_pos[:, None])
             s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        if MASKED:  # a row that has seen no key yet keeps m = -inf; unmasked scores are all finite
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_safe = m_new
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m - m_safe)
         if MASKED:
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # the product accumulates in place (no 2nd tile)
         denom = denom * alpha + tl.sum(p, 1)
         m = m_new
     return acc, m, denom
@@ -218,6 +221,16 @@ def fwd_task(F, C, tile, bh):
 
 
 @triton.jit
+def _heavy_first(CAUSAL: tl.constexpr):
+    """The query tile of this program: under the causal mask the last tiles see the most keys, so they start
+    first and the light ones fill the end of the grid."""
+    if CAUSAL:
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        return tl.program_id(0)
+
+
+@triton.jit
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, acc_ptr, H, GROUP, N_Q, N_K, stride_qb, stride_qh, stride_qn,
                 stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on, q_seg_len, q_seg0, q_seg1,
                 k_seg_len, k_seg0, k_seg1, qk_scale, CAUSAL: tl.constexpr, MERGE: tl.constexpr,
@@ -225,7 +238,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, acc_ptr, H, GROUP, N_Q, N_K
     F = Fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, acc_ptr, H, GROUP, N_Q, N_K, stride_qb, stride_qh, stride_qn,
             stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on, q_seg_len, q_seg0, q_seg1, k_seg_len,
             k_seg0, k_seg1, qk_scale)
-    fwd_task(F, FwdTiles(CAUSAL, MERGE, FINAL, BLOCK_M, BLOCK_N, HEAD_DIM), tl.program_id(0), tl.program_id(1))
+    fwd_task(F, FwdTiles(CAUSAL, MERGE, FINAL, BLOCK_M, BLOCK_N, HEAD_DIM), _heavy_first(CAUSAL), tl.program_id(1))
 
 
 @triton.jit
@@ -320,10 +333,10 @@ def dkdv_task(B, C, tile, bh_kv):
             if C.CAUSAL:
                 keep = keep & (k_pos[:, None] <= position(offs_m, B.q_seg_len, B.q_seg0, B.q_seg1)[None, :])
             p_t = tl.where(keep, tl.math.exp2(s_t - lse[None, :]), 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do)
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
             dp_t = tl.dot(v, tl.trans(do)).to(tl.float32)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk)
     dk = dk * B.sm_scale
     if C.ACCUMULATE:
         dk += tl.load(B.dk_ptr + at, mask=cols[:, None], other=0.0)
@@ -377,7 +390,7 @@ def dq_task(B, C, tile, bh):
         p = tl.where(keep, tl.math.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v)).to(tl.float32)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
     dq = dq * B.sm_scale
     if C.ACCUMULATE:
         dq += tl.load(B.dq_ptr + at, mask=rows[:, None], other=0.0)
@@ -402,7 +415,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
     if DKDV:
         dkdv_task(B, BwdTiles(CAUSAL, ACCUMULATE, BLOCK_M, BLOCK_N, HEAD_DIM), tl.program_id(0), tl.program_id(1))
     else:
-        dq_task(B, BwdTiles(CAUSAL, ACCUMULATE, BLOCK_M, BLOCK_N, HEAD_DIM), tl.program_id(0), tl.program_id(1))
+        dq_task(B, BwdTiles(CAUSAL, ACCUMULATE, BLOCK_M, BLOCK_N, HEAD_DIM), _heavy_first(CAUSAL), tl.program_id(1))
 
 
 def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "BHND") -> None:
