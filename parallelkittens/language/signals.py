@@ -46,11 +46,16 @@ _FENCE = "fence.acq_rel.sys;\n\tmov.u32 $0, 0;"
 _BULK_WAIT_FENCE = "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tfence.acq_rel.sys;\n\tmov.u32 $0, 0;"
 _NOTHING = "mov.u32 $0, 0;"
 _PROXY_FENCE = "fence.proxy.async.global;\n\tmov.u32 $0, 0;"
+# a barrier of the whole program that ORs one predicate over its threads (bar.red): a decision all threads share
+_VOTE_ANY = ("{\n\t.reg .pred vote_in, vote_out;\n\tsetp.ne.u32 vote_in, $1, 0;\n\t"
+             "bar.red.or.pred vote_out, 0, vote_in;\n\tselp.u32 $0, 1, 0, vote_out;\n\t}")
 RELEASE_FENCE = tl.constexpr(_BULK_WAIT_FENCE if _bulk_copies_exist() else _FENCE)
 ACQUIRE_PROXY_FENCE = tl.constexpr(_PROXY_FENCE if _bulk_copies_exist() else _NOTHING)
 
 interpreter.register_asm(_LOAD_ACQUIRE, lambda ptrs: interpreter.read_memory(ptrs, np.int32))
 interpreter.register_asm(_NOW_NS, lambda: np.array(time.monotonic_ns(), dtype=np.int64))
+VOTE_ANY = tl.constexpr(_VOTE_ANY)
+interpreter.register_asm(_VOTE_ANY, lambda flag: flag)  # a program is one thread in the interpreter
 for _asm in (_FENCE, _BULK_WAIT_FENCE, _NOTHING, _PROXY_FENCE):  # the CPU is coherent; the interpreter in order
     interpreter.register_asm(_asm, lambda: np.array(0, dtype=np.int32))
 
@@ -70,6 +75,13 @@ def _now_ns():
 def _release_fence():
     tl.inline_asm_elementwise(RELEASE_FENCE, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
+
+
+@triton.jit
+def _vote_any(flag):
+    """A barrier of the program's threads that returns, in every thread, whether the int32 `flag` was nonzero in
+    any of them."""
+    return tl.inline_asm_elementwise(VOTE_ANY, "=r,r", [flag], dtype=tl.int32, is_pure=False, pack=1) != 0
 
 
 @triton.jit
@@ -99,12 +111,14 @@ def _wait(ptr, value, h, AT_LEAST: tl.constexpr):
         deadline = _now_ns() + tl.load(h + _TIMEOUT)
         while (not _reached(seen, value, AT_LEAST)) and (_now_ns() < deadline):
             seen = _load_acquire(ptr)
-        if not _reached(seen, value, AT_LEAST):
-            _report_timeout(ptr, h, seen, value)
     tl.inline_asm_elementwise(ACQUIRE_PROXY_FENCE, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    # Every warp polls on its own: without the barrier, a warp that saw the value could reset the counter (the
-    # usual next step) while another still polls, and that one would spin until the timeout.
-    tl.debug_barrier()
+    # Every thread polls on its own, so they may disagree on whether time ran out: the program's barrier votes,
+    # and the report (which meets the threads again) runs in all of them or none. The barrier also keeps a warp
+    # that saw the value from resetting the counter (the usual next step) while another still polls.
+    gave_up = _vote_any(1 - _reached(seen, value, AT_LEAST).to(tl.int32))
+    if gave_up:
+        _report_timeout(ptr, h, seen, value)
+    return gave_up
 
 
 @triton.jit
@@ -113,9 +127,10 @@ def wait(ptr, value, h):
     program's other threads, so that every one of them has seen it before any resets it.
 
     `ptr` points into this rank's buffer of the parallel tensor whose handle is `h`. Leaves the counter as it
-    is: the caller resets it (a plain store once no peer will signal it again in this round).
+    is: the caller resets it (a plain store once no peer will signal it again in this round). Returns, alike in
+    every thread, whether it gave up: the wait timed out, and the rank's debug record says where.
     """
-    _wait(ptr, value, h, False)
+    return _wait(ptr, value, h, False)
 
 
 @triton.jit
@@ -123,7 +138,7 @@ def wait_at_least(ptr, value, h):
     """Like `wait`, until the counter is at least `value`: for counters that only grow, where a fast peer may
     already have signalled the next round (not one of the paper's eight; `barrier_all` and the meeting's
     arrivals use it)."""
-    _wait(ptr, value, h, True)
+    return _wait(ptr, value, h, True)
 
 
 @triton.jit

@@ -82,13 +82,14 @@ def verdict(call):
     theirs = call.sig
     if call.world > 1:
         expected = call.world * call.epoch
-        pkl.wait_at_least(call.counters + _ARRIVALS, expected, call.handle)
+        gave_up = pkl.wait_at_least(call.counters + _ARRIVALS, expected, call.handle)
         slot = call.slots + (call.epoch & 1) * call.world
         for r in range(call.world):
             other = tl.load(slot + r, volatile=True)
             theirs = tl.where(other != call.sig, other, theirs)
-        arrived = tl.load(call.counters + _ARRIVALS, volatile=True) - expected >= 0  # the wait may have given up
-        theirs = tl.where(arrived, theirs, ~call.sig)  # (its record says so) then stale slots must not agree
+        # a wait that gave up (its record says so) leaves stale slots, which must not agree; the vote is the same
+        # in every thread, so the branch below (which meets the threads) runs in all of them or none
+        theirs = tl.where(gave_up, ~call.sig, theirs)
         if theirs != call.sig:
             _record_mismatch(call.handle, theirs, call.sig)
     return theirs == call.sig

@@ -78,7 +78,7 @@ class CombinePlan:
         self.top_k, self.hidden, self.dtype = top_k, hidden, dtype
         buffer = heap().allocate(max(1, max_tokens * top_k * hidden) * dtype.itemsize, f"{self.op}.slots")
         self.slots, self.slots_handle = buffer.view((max_tokens * top_k, hidden), dtype), buffer.handle
-        self.gemm = GroupedGemm(self.op, False, inner, hidden, 0, dtype, block, 0)
+        self.gemm = GroupedGemm(self.op, False, inner, hidden, 0, dtype, block, 0, plan=(max_tokens, top_k, epr))
 
     def __call__(self, h: torch.Tensor, w: torch.Tensor, layout: MoeLayout, weights: torch.Tensor | None = None
                  ) -> torch.Tensor:

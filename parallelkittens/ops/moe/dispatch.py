@@ -54,14 +54,13 @@ class DispatchPlan:
     def __init__(self, max_tokens: int, hidden: int, inner: int, epr: int, dtype: torch.dtype, block: int):
         ctx = context()
         self.world, self.hidden, self.inner, self.dtype = ctx.local_world_size, hidden, inner, dtype
-        block_pulled = 64 if ctx.device.type == "cuda" else 16
         self.tokens = self.tokens_handle = None
         if self.world > 1:
             buffer = heap().allocate(max(1, max_tokens * hidden) * dtype.itemsize, f"{self.op}.tokens")
             self.tokens, self.tokens_handle = buffer.view((max_tokens, hidden), dtype), buffer.handle
         num_comm = 8 if ctx.device.type == "cuda" else 1
-        self.gemm = GroupedGemm(self.op, True, hidden, inner, cdiv(self.world * max_tokens, block_pulled), dtype,
-                                block, num_comm)
+        self.gemm = GroupedGemm(self.op, True, hidden, inner, self.world * max_tokens, dtype, block, num_comm,
+                                plan=(max_tokens, epr))
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, layout: MoeLayout, row_scale: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:

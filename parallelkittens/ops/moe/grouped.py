@@ -162,10 +162,11 @@ def _moe_kernel(a_ptr, tokens_ptr, tokens_handle, pull_src, pull_tok, pulled, ar
 
 class GroupedGemm:
     """What one direction of the kernel needs for one set of sizes (built once, in a plan): block sizes, the
-    arrival counters (and the barrier counter after them) on the heap, the meeting's signature."""
+    arrival counters (and the barrier counter after them) on the heap, the meeting's signature (with `plan`: what
+    else of the calling plan the ranks must share, its buffers' sizes)."""
 
-    def __init__(self, op: str, pull: bool, K: int, N: int, max_blocks: int, dtype: torch.dtype,
-                 block_rows: int, num_comm: int):
+    def __init__(self, op: str, pull: bool, K: int, N: int, max_pulled: int, dtype: torch.dtype,
+                 block_rows: int, num_comm: int, plan: tuple = ()):
         ctx = context()
         self.pull, self.K, self.N, self.dtype = pull, K, N, dtype
         self.world = ctx.local_world_size
@@ -176,11 +177,11 @@ class GroupedGemm:
         self.BR = 64 if on_gpu else 16
         self.BK_COPY = min(128 if on_gpu else 32, next_power_of_2(K))
         self.num_comm = num_comm if (pull and self.world > 1) else 0
-        self.max_blocks = max_blocks
+        self.max_blocks = max_blocks = cdiv(max_pulled, self.BR)  # arrival counters: one per block of pulled rows
         counters = heap().allocate(4 * (max_blocks + 1), f"{op}.arrived")  # the barrier's, then one per block
         every = counters.view(max_blocks + 1, torch.int32)
         self.done, self.arrived, self.arrived_handle = every[:1], every[1:], counters.handle
-        self.sig = meeting.signature(op, pull, K, N, str(dtype), block_rows, max_blocks)
+        self.sig = meeting.signature(op, pull, K, N, str(dtype), block_rows, max_blocks, *plan)
         self.num_warps = 8 if on_gpu else 4
 
     def __call__(self, *, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, out_handle, row_index: torch.Tensor,
