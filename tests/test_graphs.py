@@ -66,6 +66,13 @@ def _replay(steps: int) -> list[str]:
             err = relative_error(out, refs[name])
             if not err <= BOUND:
                 failures.append(f"replay {step}, {name}: relative error {err:.2e}")
+    try:  # a call whose plan does not exist yet: refused on every rank, before anything is captured
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pk.ops.matmul_reduce_scatter(a[: 64 * world], b)
+        failures.append("a plan was built while a CUDA graph was being captured")
+    except pk.PKError as e:
+        if "warm-up" not in str(e):
+            failures.append(f"building a plan while capturing: unexpected error {e}")
     pk.sync()
     return failures
 

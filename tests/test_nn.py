@@ -313,7 +313,8 @@ def test_layers_agree_with_torch_tensor_parallel(world):
 
 def _graph_step(replays: int) -> list[str]:
     """A training step (forward and backward of column -> SiLU -> row) captured in one CUDA graph, replayed with
-    new inputs: every replay's output and gradients equal an eager step's on the same inputs, bitwise."""
+    new inputs: every replay's output and gradients match an eager step's on the same inputs (to bf16 rounding: the
+    reduce-scatter's summing order may differ between calls)."""
     ctx = pk.context()
     seed, failures = shared_seed(), []
     d, h, T = 256, 512 * ctx.local_world_size // 2, 384

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from ..runtime.context import context, exchange
 from ..runtime.errors import MismatchError, PKError
 from ..template.meeting import meeting
@@ -49,6 +51,12 @@ def get(key: tuple, build: Callable[[], P], check: Callable[[], str] | None = No
     if plan is not None:
         return plan
     op = key[0]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # building agrees on the host, takes symmetric memory and may tune (synchronising): none of it can be
+        # captured, and the failure CUDA would give is far from its cause
+        raise PKError(f"{op}: no plan exists yet for this call ({_shapes(key)}), and one cannot be built while a "
+                      "CUDA graph is being captured: run the same calls once eagerly (a warm-up step) before "
+                      "capturing")
     error = None
     try:
         description = check() if check is not None else repr(key[1:])
@@ -64,6 +72,10 @@ def get(key: tuple, build: Callable[[], P], check: Callable[[], str] | None = No
     ctx.stats["plans"] += 1
     ctx.plans[key] = plan
     return plan
+
+
+def _shapes(key: tuple) -> str:
+    return ", ".join(str(tuple(k)) if isinstance(k, torch.Size) else repr(k) for k in key[1:])
 
 
 def agree(op: str, description: str | None, error: Exception | None = None) -> None:

@@ -199,7 +199,7 @@ class AllGatherMatmulPlan:
         the next fused op overwrites, so a backward that keeps it takes a copy; `copy=False` gives the scratch
         itself, to use at once. At one rank it is `a`."""
         full = a if self._launch is None or context().local_world_size == 1 else self._a_full
-        return full.clone() if copy else full
+        return full.contiguous().clone() if copy else full
 
     def _run(self, launch: Launcher, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
         launch(descriptor(a, self._a_block), a, descriptor(b, self._blocks[0]), descriptor(c, self._blocks[1]))

@@ -60,15 +60,20 @@ def _side_stream() -> torch.cuda.Stream | None:
 
 def _overlapped(product, communicate):
     """Run `product()` (a weight-gradient GEMM, torch.matmul) on a side stream while `communicate()` (the input
-    gradient's fused GEMM + reduce-scatter) runs on this one; returns (product's, communicate's) results."""
+    gradient's fused GEMM + reduce-scatter) runs on this one; returns (product's, communicate's) results.
+
+    The fused kernel is queued first: the peers' kernels wait for this rank's shares, so it takes the SMs before
+    the GEMM does, and the GEMM's blocks fill the SMs its programs leave while they wait."""
     side = _side_stream()
     if side is None:
         return product(), communicate()
     main = torch.cuda.current_stream()
-    side.wait_stream(main)
+    ready = torch.cuda.Event()
+    ready.record(main)  # the product's inputs are made: it may start from here
+    result = communicate()
+    side.wait_event(ready)
     with torch.cuda.stream(side):
         done = product()
-    result = communicate()
     main.wait_stream(side)
     if isinstance(done, torch.Tensor):
         done.record_stream(main)
