@@ -49,12 +49,15 @@ if [ "$WHAT" != tests ]; then
   [ "${DIAG:-0}" = 1 ] && stage diag 150 $PY scripts/diagnose_collectives.py
 fi
 if [ "$WHAT" != bench ]; then
-  stage tests ${TESTS_TIMEOUT:-480} $PY -m pytest tests -q -p no:cacheprovider --timeout 300 -rfE --durations=12 ${2:+-k "$2"}
+  # -v: a run cut off by the stage's timeout still shows which tests passed and which one it was in
+  stage tests ${TESTS_TIMEOUT:-480} $PY -m pytest tests -v -p no:cacheprovider --timeout 300 -rfE --durations=12 ${2:+-k "$2"}
   [ "${DEMO:-1}" = 1 ] && stage demo 150 $PY -m parallelkittens demo --ranks 4
 fi
 
 echo "== summary ($GPUS GPU(s), worlds $PK_TEST_WORLDS) =="
-[ -f "$OUT/tests.log" ] && grep -E "passed|failed" "$OUT/tests.log" | tail -n 1
+[ -f "$OUT/tests.log" ] && { grep -E "^=+ .*(passed|failed)" "$OUT/tests.log" || echo "cut off after $(grep -c \
+  " PASSED" "$OUT/tests.log") passed, $(grep -c " FAILED" "$OUT/tests.log") failed, in: $(grep -E "::" \
+  "$OUT/tests.log" | tail -n 1 | cut -d" " -f1)"; }
 [ -f "$OUT/demo.log" ] && grep -E "^[a-z_.+ ]+ +(cuda|cuda-shared) |passed" "$OUT/demo.log"
 [ -f "$OUT/bench.log" ] && grep -vE "^wrote|\[#" "$OUT/bench.log" | grep -E "^==|GB/s|us |ms |^ +[0-9]+ " || true
 printf '%s\n' "${status[@]}"

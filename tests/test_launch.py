@@ -92,6 +92,33 @@ def _every_parameter_is_named(mp) -> list:
     return ["no error"]
 
 
+def _new_thread_gets_the_allocator(mp) -> list:
+    import threading
+
+    from triton.runtime import _allocation
+
+    from parallelkittens.runtime import context as ctx_module
+
+    def ours(size, alignment, stream):  # stands in for the allocator pk.init installs on a GPU
+        raise AssertionError("not called here")
+
+    mp.setattr(ctx_module, "_ALLOCATOR", ours)
+    kernel, launcher = _bound(mp, n=9, BLOCK=64)
+    seen = []
+    kernel.compiled.run = lambda *args: seen.append(_allocation._allocator.get() is ours)
+
+    def backward_thread():  # autograd runs a backward's kernels in a thread of its own, as here
+        seen.append(_allocation._allocator.get() is ours)  # a new thread starts without it
+        launcher(torch.zeros(4))  # Triton's path (the stub's run is not called)
+        launcher(torch.zeros(4))  # the direct path: the compiled kernel asks for the allocator
+        seen.append(_allocation._allocator.get() is ours)
+
+    thread = threading.Thread(target=backward_thread)
+    thread.start()
+    thread.join()
+    return seen
+
+
 def test_second_call_goes_straight_to_the_compiled_launcher_with_every_parameter_in_order():
     slow, first_kwargs, direct = pk.spawn(_in_a_rank, 1, "_second_call_is_direct")[0]
     assert slow == 1 and first_kwargs["n"] == 9 and first_kwargs["num_warps"] == 4
@@ -110,6 +137,12 @@ def test_an_installed_launch_hook_keeps_triton_in_charge():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs where there is no GPU")
 def test_the_interpreter_never_launches_directly():
     assert pk.spawn(_in_a_rank, 1, "_interpreter_never_direct")[0] == [False]
+
+
+def test_a_launch_from_a_new_thread_installs_our_triton_allocator_there():
+    # Triton keeps its allocator in a context variable, unset in a new thread: TMA kernels in a backward failed
+    # with "no allocator was set" on the GPU until launches installed it.
+    assert pk.spawn(_in_a_rank, 1, "_new_thread_gets_the_allocator")[0] == [False, True, True]
 
 
 def test_a_parameter_left_out_is_an_error():

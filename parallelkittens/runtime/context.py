@@ -19,6 +19,7 @@ import atexit
 import collections
 import datetime
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -259,9 +260,25 @@ def _describe_setup(setup: tuple, reference: tuple) -> str:
     return f"{name}, {local} local rank(s), {device}" + (f", {', '.join(differ)}" if differ else "")
 
 
-def _install_triton_allocator() -> None:
-    import triton
+_ALLOCATOR: Callable | None = None
+_THREAD = threading.local()
 
+
+def use_triton_allocator() -> None:
+    """Install our Triton allocator in the calling thread, once (cheap to call before every launch).
+
+    Triton keeps its allocator in a context variable, which a new thread starts without: kernels launched from
+    autograd's device thread (every backward) would otherwise fail with "no allocator was set".
+    """
+    if _ALLOCATOR is not None and getattr(_THREAD, "allocator", None) is not _ALLOCATOR:
+        import triton
+
+        triton.set_allocator(_ALLOCATOR)
+        _THREAD.allocator = _ALLOCATOR
+
+
+def _install_triton_allocator() -> None:
+    global _ALLOCATOR
     per_stream: dict[int | None, torch.Tensor] = {}
 
     def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -276,7 +293,8 @@ def _install_triton_allocator() -> None:
             buf = per_stream[stream] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
         return buf
 
-    triton.set_allocator(alloc)
+    _ALLOCATOR = alloc
+    use_triton_allocator()
 
 
 def context() -> Context:

@@ -26,7 +26,7 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
-from .context import context, interpreting
+from .context import context, interpreting, use_triton_allocator
 
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
@@ -60,6 +60,7 @@ class Launcher:
 
     def __call__(self, *values: Any) -> None:
         """Launch with `values` for the `per_call` parameters, in that order."""
+        use_triton_allocator()  # this thread may be new (autograd runs backwards on its own)
         compiled = self._compiled
         if compiled is None or not self._direct(values):
             named = dict(self.fixed)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ... import language as pkl
-from ...runtime.context import context
+from ...runtime.context import context, use_triton_allocator
 from ...runtime.heap import heap
 from ...runtime.sizes import cdiv, next_power_of_2
 from ...template import grid, lcsc, meeting
@@ -193,6 +193,7 @@ class GroupedGemm:
         tiles = num_row_tiles * cdiv(self.N, self.BN)
         comm = self.num_comm if num_blocks else 0
         dummy = row_index
+        use_triton_allocator()  # a backward runs in autograd's own thread
         _moe_kernel[grid(tiles, comm)](
             a, tokens if tokens is not None else a, tokens_handle if tokens_handle is not None else self.arrived_handle,
             pull_src if pull_src is not None else dummy, pull_tok if pull_tok is not None else dummy,
