@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ... import language as pkl
 from ...runtime.context import context, use_triton_allocator
+from ...runtime.device import num_sms
 from ...runtime.heap import heap
 from ...runtime.sizes import cdiv, next_power_of_2
 from ...template import grid, lcsc, meeting
@@ -183,6 +184,8 @@ class GroupedGemm:
         self.done, self.arrived, self.arrived_handle = every[:1], every[1:], counters.handle
         self.sig = meeting.signature(op, pull, K, N, str(dtype), block_rows, max_blocks, *plan)
         self.num_warps = 8 if on_gpu else 4
+        self.num_stages = 3  # Triton's default on a GPU; scripts/tune_moe.py sweeps these, and:
+        self.programs_per_sm = 1  # more hides a tile's epilogue behind another's loads, where shared memory allows
 
     def __call__(self, *, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, out_handle, row_index: torch.Tensor,
                  row_src: torch.Tensor, tile_expert: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
@@ -194,7 +197,7 @@ class GroupedGemm:
         comm = self.num_comm if num_blocks else 0
         dummy = row_index
         use_triton_allocator()  # a backward runs in autograd's own thread
-        _moe_kernel[grid(tiles, comm)](
+        _moe_kernel[grid(tiles, comm, self.programs_per_sm * num_sms())](
             a, tokens if tokens is not None else a, tokens_handle if tokens_handle is not None else self.arrived_handle,
             pull_src if pull_src is not None else dummy, pull_tok if pull_tok is not None else dummy,
             pulled if pulled is not None else dummy, self.arrived, self.arrived_handle, b, b.stride(0), b.stride(1),
@@ -202,4 +205,4 @@ class GroupedGemm:
             row_scale if row_scale is not None else out, tile_expert, tile_start, tile_end, self.K, self.N,
             num_blocks, self.done, tiles, num_blocks if comm else 0, comm, BM=self.BM, BN=self.BN, BK=self.BK,
             BR=self.BR, BK_COPY=self.BK_COPY, PULL=self.pull, SCALE=row_scale is not None, num_warps=self.num_warps,
-            **meeting.meeting().args(self.sig))
+            num_stages=self.num_stages, **meeting.meeting().args(self.sig))
