@@ -45,6 +45,7 @@ class Args(NamedTuple):
     stride_be: object
     stride_bk: object
     stride_bn: object
+    num_experts: object  # experts in b (its first dimension)
     out_ptr: object  # PULL: expert rows (rows, N); else the slots (Tmax * k, N) of a parallel tensor
     out_handle: object
     row_index: object  # PULL: per expert row, its received row; else its slot on the source rank
@@ -68,6 +69,7 @@ class Tiles(NamedTuple):
     BK_COPY: tl.constexpr
     PULL: tl.constexpr
     SCALE: tl.constexpr
+    TMA_B: tl.constexpr  # B through a tensor descriptor (b contiguous, K a multiple of BK), else pointer loads
 
 
 @triton.jit
@@ -89,13 +91,18 @@ def _consumer(G, C, task, loader):
         a_rows = rows.to(tl.int64)
     cols = pid_n * C.BN + tl.arange(0, C.BN)
     b_base = G.b_ptr + expert.to(tl.int64) * G.stride_be + cols[None, :] * G.stride_bn
+    if C.TMA_B:  # the experts' weights as one (E*K, N) matrix; an expert's rows start at expert*K
+        b_desc = tl.make_tensor_descriptor(G.b_ptr, [G.num_experts * G.K, G.N], [G.stride_bk, 1], [C.BK, C.BN])
     acc = tl.zeros([C.BM, C.BN], tl.float32)
     for k0 in range(0, G.K, C.BK):
         ks = k0 + tl.arange(0, C.BK)
         a = tl.load(G.a_ptr + a_rows[:, None] * G.K + ks[None, :], mask=valid[:, None] & (ks < G.K)[None, :],
                     other=0.0)
-        b = tl.load(b_base + ks[:, None] * G.stride_bk, mask=(ks < G.K)[:, None] & (cols < G.N)[None, :],
-                    other=0.0)
+        if C.TMA_B:
+            b = b_desc.load([expert * G.K + k0, pid_n * C.BN])
+        else:
+            b = tl.load(b_base + ks[:, None] * G.stride_bk, mask=(ks < G.K)[:, None] & (cols < G.N)[None, :],
+                        other=0.0)
         acc = tl.dot(a, b, acc)
     if C.SCALE:
         acc = acc * tl.load(G.row_scale + rows, mask=valid, other=0.0)[:, None]
@@ -149,15 +156,16 @@ def _finisher(G, C):
 
 @triton.jit(do_not_specialize=["num_tasks", "num_comm_tasks", "num_comm", "rank", "num_blocks"])
 def _moe_kernel(a_ptr, tokens_ptr, tokens_handle, pull_src, pull_tok, pulled, arrived_ptr, arrived_handle, b_ptr,
-                stride_be, stride_bk, stride_bn, out_ptr, out_handle, row_index, row_src, row_scale, tile_expert,
-                tile_start, tile_end, K, N, num_blocks, done_ptr, num_tasks, num_comm_tasks, num_comm, meet_counters,
-                meet_slots, meet_handle, sig, rank, world, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                BR: tl.constexpr, BK_COPY: tl.constexpr, PULL: tl.constexpr, SCALE: tl.constexpr):
+                stride_be, stride_bk, stride_bn, num_experts, out_ptr, out_handle, row_index, row_src, row_scale,
+                tile_expert, tile_start, tile_end, K, N, num_blocks, done_ptr, num_tasks, num_comm_tasks, num_comm,
+                meet_counters, meet_slots, meet_handle, sig, rank, world, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, BR: tl.constexpr, BK_COPY: tl.constexpr, PULL: tl.constexpr, SCALE: tl.constexpr,
+                TMA_B: tl.constexpr):
     call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
     G = Args(a_ptr, tokens_ptr, tokens_handle, pull_src, pull_tok, pulled, arrived_ptr, arrived_handle, b_ptr,
-             stride_be, stride_bk, stride_bn, out_ptr, out_handle, row_index, row_src, row_scale, tile_expert,
-             tile_start, tile_end, K, N, num_blocks, done_ptr, call)
-    lcsc(G, Tiles(BM, BN, BK, BR, BK_COPY, PULL, SCALE), num_tasks, num_comm_tasks, num_comm, None, _consumer,
+             stride_be, stride_bk, stride_bn, num_experts, out_ptr, out_handle, row_index, row_src, row_scale,
+             tile_expert, tile_start, tile_end, K, N, num_blocks, done_ptr, call)
+    lcsc(G, Tiles(BM, BN, BK, BR, BK_COPY, PULL, SCALE, TMA_B), num_tasks, num_comm_tasks, num_comm, None, _consumer,
          _storer, _communicator, call, _finisher)
 
 
@@ -185,6 +193,7 @@ class GroupedGemm:
         self.sig = meeting.signature(op, pull, K, N, str(dtype), block_rows, max_blocks, *plan)
         self.num_warps = 8 if on_gpu else 4
         self.num_stages = 3  # Triton's default on a GPU; scripts/tune_moe.py sweeps these, and:
+        self.tma_b = False  # B through a tensor descriptor where it is contiguous (unmeasured: tune_moe.py)
         self.programs_per_sm = 1  # more hides a tile's epilogue behind another's loads, where shared memory allows
 
     def __call__(self, *, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, out_handle, row_index: torch.Tensor,
@@ -201,8 +210,15 @@ class GroupedGemm:
             a, tokens if tokens is not None else a, tokens_handle if tokens_handle is not None else self.arrived_handle,
             pull_src if pull_src is not None else dummy, pull_tok if pull_tok is not None else dummy,
             pulled if pulled is not None else dummy, self.arrived, self.arrived_handle, b, b.stride(0), b.stride(1),
-            b.stride(2), out, out_handle if out_handle is not None else self.arrived_handle, row_index, row_src,
-            row_scale if row_scale is not None else out, tile_expert, tile_start, tile_end, self.K, self.N,
+            b.stride(2), b.shape[0], out, out_handle if out_handle is not None else self.arrived_handle, row_index,
+            row_src, row_scale if row_scale is not None else out, tile_expert, tile_start, tile_end, self.K, self.N,
             num_blocks, self.done, tiles, num_blocks if comm else 0, comm, BM=self.BM, BN=self.BN, BK=self.BK,
-            BR=self.BR, BK_COPY=self.BK_COPY, PULL=self.pull, SCALE=row_scale is not None, num_warps=self.num_warps,
+            BR=self.BR, BK_COPY=self.BK_COPY, PULL=self.pull, SCALE=row_scale is not None,
+            TMA_B=self._tma_fits(b), num_warps=self.num_warps,
             num_stages=self.num_stages, **meeting.meeting().args(self.sig))
+
+    def _tma_fits(self, b: torch.Tensor) -> bool:
+        """Whether `b` can be read through a tensor descriptor: asked for, contiguous (a transposed weight, as in
+        the backward, is not), K a multiple of BK (no tile reads into the next expert) and 16-byte aligned."""
+        return (self.tma_b and b.stride(2) == 1 and b.stride(0) == self.K * b.stride(1) and self.K % self.BK == 0
+                and (b.stride(1) * b.element_size()) % 16 == 0 and b.data_ptr() % 16 == 0)
