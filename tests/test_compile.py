@@ -69,7 +69,8 @@ def test_pingpong_gemm_is_warp_specialised(hot, compiled):
     assert "setmaxnreg" in hot["matmul_pingpong"], "no register reallocation between the roles"
 
 
-@pytest.mark.parametrize("kernel", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+@pytest.mark.parametrize("kernel", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
+                                    "matmul_reduce_scatter_b_t"])
 def test_fused_gemms_use_wgmma_and_tma(hot, kernel):
     assert "wgmma" in hot[kernel] and "tma_store" in hot[kernel] and "release_sys_atomic" in hot[kernel]
     if kernel != "all_gather_matmul":  # the shares go to their owners as TMA reduce-adds

@@ -39,6 +39,18 @@ def _run(m: int, k: int, n: int) -> list[str]:
             if m % world == 0:
                 check(f"matmul_reduce_scatter #{call}", matmul_reduce_scatter(a_parts[me], b_parts[me]),
                       reference_matmul_reduce_scatter(a_parts, b_parts, me), dtype)
+            # b as weight.t() of (n, k) weights (the layers' backward): read in place, through its transpose
+            w_t = [rank_data((n, k), dtype, seed + call, 200 + r).t() for r in range(world)]
+            in_place = all_gather_matmul.plan(a_parts[me], w_t[0]).b_t
+            if m % world == 0:
+                in_place &= matmul_reduce_scatter.plan(a_parts[me], w_t[me]).b_t
+            if not in_place:
+                failures.append("a transposed b was not read in place")
+            check(f"all_gather_matmul, b transposed #{call}", all_gather_matmul(a_parts[me], w_t[0]),
+                  reference_all_gather_matmul(a_parts, w_t[0]), dtype)
+            if m % world == 0:
+                check(f"matmul_reduce_scatter, b transposed #{call}", matmul_reduce_scatter(a_parts[me], w_t[me]),
+                      reference_matmul_reduce_scatter(a_parts, w_t, me), dtype)
     pk.sync()
     return failures
 

@@ -257,8 +257,13 @@ def _init_and_frozen() -> list[str]:
         col.bias.grad = row.bias.grad = None
     if col.weight.grad is not None or row.weight.grad is not None:
         failures.append("a frozen weight got a gradient")
-    if not all(torch.equal(a, b) for a, b in zip(*grads, strict=True)):
-        failures.append("freezing the weights changed the other gradients")
+    # On a GPU at 3 ranks or more the reduce-scatter adds the peers' bf16 shares in arrival order
+    # (`matmul_reduce_scatter`), so two backwards may differ in the last bits: there the bound is bf16's.
+    exact = ctx.device.type == "cpu" or world <= 2
+    for name, a, b in zip(("input", "column bias", "row bias"), *grads, strict=True):
+        problem = None if torch.equal(a, b) else "differs" if exact else check_close(name, b, a, BF16, "gemm")
+        if problem:
+            failures.append(f"freezing the weights changed the {name} gradient: {problem}")
     pk.sync()
     return failures
 

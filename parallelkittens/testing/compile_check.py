@@ -85,6 +85,10 @@ def _kernels():
     narrow = {**GEMM, "BN": 128, "STAGES": 5}  # matmul_config's choice when tiles are few
     kernels["matmul_narrow"] = _gemm_kernels("bf16", narrow)["matmul"]
     kernels["matmul_narrow_fp32"] = _gemm_kernels("fp32", {**narrow, "BK": 32, "STAGES": 4})["matmul"]
+    # the layers' backward: B read through its transpose's (BN, BK) descriptor
+    fn, signature, consts = kernels["matmul_reduce_scatter"]
+    kernels["matmul_reduce_scatter_b_t"] = (fn, {**signature, "b_desc": _desc("bf16", GEMM["BN"], GEMM["BK"])},
+                                            {**consts, "B_T": True})
     if pingpong.AVAILABLE:
         a_layout, b_layout, c_layout = pingpong.layouts(torch.bfloat16, 128, 128, 64)
         signature = {"a_desc": _desc("bf16", 128, 64, a_layout), "b_desc": _desc("bf16", 64, 128, b_layout),
@@ -117,11 +121,11 @@ def _gemm_kernels(dtype: str, gemm: dict) -> dict:
             "a_desc": a, "a_ptr": ptr, "a_full_ptr": ptr, "a_full_handle": "*i64", "a_full_desc": a, "b_desc": b,
             "c_desc": half, "flags_ptr": "*i32", "flags_handle": "*i64",
             **ints("m_local", "M", "N", "K", "num_tasks", "num_comm_tasks", "num_comm"), **MEET, **consts,
-            "BK_COPY": "constexpr"}, {**gemm, "BK_COPY": 64}),
+            "BK_COPY": "constexpr", "B_T": "constexpr"}, {**gemm, "BK_COPY": 64, "B_T": False}),
         "matmul_reduce_scatter": (_mm_rs_kernel, {
             "a_desc": a, "b_desc": b, "buf_ptr": ptr, "buf_handle": "*i64", "buf_desc": half, "ctr_ptr": "*i32",
-            "ctr_handle": "*i64", "out_desc": half, **ints("M", "N", "K", "m_block", "per_owner"), **MEET, **consts},
-            gemm),
+            "ctr_handle": "*i64", "out_desc": half, **ints("M", "N", "K", "m_block", "per_owner"), **MEET, **consts,
+            "B_T": "constexpr"}, {**gemm, "B_T": False}),
         "matmul_all_reduce": (_mm_ar_kernel, {
             "a_desc": a, "b_desc": b, "buf_ptr": ptr, "buf_handle": "*i64", "buf_desc": half, "res_ptr": ptr,
             "res_handle": "*i64", "res_desc": half, "out_desc": half, "ctr_ptr": "*i32", "ctr_handle": "*i64",

@@ -33,6 +33,7 @@ from .. import plan as plans
 from ._tuning import check_comm_sms, choose
 from .matmul import (
     MatmulConfig,
+    b_descriptor,
     check_operands,
     default_config,
     descriptor,
@@ -41,6 +42,7 @@ from .matmul import (
     operands,
     store_tile,
     tile_coords,
+    transposed,
 )
 
 
@@ -73,6 +75,7 @@ class Tiles(NamedTuple):
     GROUP_M: tl.constexpr
     STAGES: tl.constexpr
     BK_COPY: tl.constexpr  # columns a communicator pushes at a time
+    B_T: tl.constexpr  # b is the transpose of a contiguous (N, K) matrix (a weight read in place)
 
 
 @triton.jit
@@ -97,7 +100,7 @@ def _consumer(G, C, task, loader):
         a_desc, first = G.a_desc, row0 - me * G.m_local
     elif meeting.verdict(G.call):  # the ranks agree (else nobody pushes rows: compute on what is there, store none)
         pkl.wait(G.flags_ptr + pid_m, _chunk_writers(pid_m, G.m_local, G.M, C.BM), G.flags_handle)
-    acc = mainloop(a_desc, G.b_desc, first, pid_n * C.BN, G.K, C.BM, C.BN, C.BK, C.STAGES)
+    acc = mainloop(a_desc, G.b_desc, first, pid_n * C.BN, G.K, C.BM, C.BN, C.BK, C.STAGES, 0, C.B_T)
     return acc, pid_m, pid_n
 
 
@@ -139,17 +142,18 @@ def _finisher(G, C):
 def _ag_matmul_kernel(a_desc, a_ptr, a_full_ptr, a_full_handle, a_full_desc, b_desc, c_desc, flags_ptr, flags_handle,
                       m_local, M, N, K, num_tasks, num_comm_tasks, num_comm, meet_counters, meet_slots, meet_handle,
                       sig, rank, world, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr, STAGES: tl.constexpr, BK_COPY: tl.constexpr):
+                      GROUP_M: tl.constexpr, STAGES: tl.constexpr, BK_COPY: tl.constexpr, B_T: tl.constexpr):
     call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
     G = Args(a_desc, a_ptr, a_full_ptr, a_full_handle, a_full_desc, b_desc, c_desc, flags_ptr, flags_handle, m_local,
              M, N, K, call)
-    lcsc(G, Tiles(BM, BN, BK, GROUP_M, STAGES, BK_COPY), num_tasks, num_comm_tasks, num_comm, None, _consumer,
+    lcsc(G, Tiles(BM, BN, BK, GROUP_M, STAGES, BK_COPY, B_T), num_tasks, num_comm_tasks, num_comm, None, _consumer,
          _storer, _communicator, call, _finisher)
 
 
 class AllGatherMatmulPlan:
     """all_gather(a) @ b for one shard shape, b shape, dtype and configuration: the gathered A's buffer and its
-    flags on the heap, the communicator count (tuned once), descriptors and the bound kernel."""
+    flags on the heap, the communicator count (tuned once), descriptors and the bound kernel. A plan made for a
+    transposed view b (`matmul.transposed`) reads it in place."""
 
     op = "all_gather_matmul"
 
@@ -160,7 +164,8 @@ class AllGatherMatmulPlan:
         (self.m_local, self.K), self.N = a.shape, b.shape[1]
         self.M = M = world * self.m_local
         self.config = cfg = (config or default_config(a.dtype)).validate()
-        sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
+        self.b_t = transposed(b)
+        sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg, self.b_t)
         self._launch = None
         if M == 0 or self.N == 0:
             return
@@ -172,7 +177,7 @@ class AllGatherMatmulPlan:
         my_chunks = ((me + 1) * self.m_local - 1) // cfg.block_m - (me * self.m_local) // cfg.block_m + 1
         tiles = num_chunks * cdiv(self.N, cfg.block_n)
         self._a_block = [cfg.block_m, cfg.block_k]
-        self._blocks = ([cfg.block_k, cfg.block_n], [cfg.block_m, cfg.block_n // 2])
+        self._c_block = [cfg.block_m, cfg.block_n // 2]
 
         def bound(num_comm: int) -> Launcher:
             return Launcher(
@@ -182,9 +187,10 @@ class AllGatherMatmulPlan:
                 flags_handle=flags.handle, m_local=self.m_local, M=M, N=self.N, K=self.K, num_tasks=tiles,
                 num_comm_tasks=my_chunks if world > 1 and self.m_local > 0 else 0, num_comm=num_comm,
                 BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-                BK_COPY=min(64, next_power_of_2(self.K)), num_warps=cfg.num_warps, **meeting.meeting().args(sig))
+                BK_COPY=min(64, next_power_of_2(self.K)), B_T=self.b_t, num_warps=cfg.num_warps,
+                **meeting.meeting().args(sig))
 
-        a, b = a.contiguous(), b.contiguous()  # what a call would pass
+        a, b = operands(self.op, a, b, a.shape, b.shape, a.dtype, self.device, self.b_t)  # what a call passes
         outputs: list[torch.Tensor] = []  # made only if tuning runs
 
         def run(launch: Launcher) -> None:
@@ -202,12 +208,15 @@ class AllGatherMatmulPlan:
         return full.contiguous().clone() if copy else full
 
     def _run(self, launch: Launcher, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
-        launch(descriptor(a, self._a_block), a, descriptor(b, self._blocks[0]), descriptor(c, self._blocks[1]))
+        cfg = self.config
+        launch(descriptor(a, self._a_block), a, b_descriptor(b, self.b_t, cfg.block_k, cfg.block_n),
+               descriptor(c, self._c_block))
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """all_gather(a) @ b into `out` (a new (M, N) tensor by default)."""
         try:
-            a, b = operands(self.op, a, b, (self.m_local, self.K), (self.K, self.N), self.dtype, self.device)
+            a, b = operands(self.op, a, b, (self.m_local, self.K), (self.K, self.N), self.dtype, self.device,
+                            self.b_t)
             c = new_output(self.op, out, (self.M, self.N), self.dtype, self.device)
         except PKError as e:
             plans.refuse(int(self._launch is not None), e)
@@ -220,7 +229,8 @@ def plan(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
          config: MatmulConfig | None = None) -> AllGatherMatmulPlan:
     """The plan for all_gather(a) @ b with operands like `a` and `b` (collective the first time: `ops/plan.py`)."""
     op = "all_gather_matmul"
-    key = (op, getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), num_comm_sms, config)
+    key = (op, getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), num_comm_sms, config,
+           transposed(b))
     found = plans.find(key)
     if found is not None:
         return found
@@ -238,6 +248,7 @@ def plan(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
 def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
                       config: MatmulConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """all_gather(a) @ b: `a` is this rank's (M/W, K) row shard, `b` (K, N); returns (M, N) on every rank.
+    `b` may be the transposed view of a contiguous (N, K) matrix (``weight.t()``): it is read in place.
 
     Collective. bf16 or fp16 with fp32 accumulation; K and N multiples of 8 (TMA rows), M/W anything.
     `num_comm_sms` communicator programs push the shard; None picks the count by timing the candidates once per

@@ -72,7 +72,7 @@ class MatmulConfig:
 
     def tiles(self) -> Tiles:
         """The kernels' compile-time tile sizes, as the named tuple the GEMM roles read."""
-        return Tiles(self.block_m, self.block_n, self.block_k, self.group_m, self.num_stages)
+        return Tiles(self.block_m, self.block_n, self.block_k, self.group_m, self.num_stages, False)
 
 
 class Tiles(NamedTuple):
@@ -83,6 +83,7 @@ class Tiles(NamedTuple):
     BK: tl.constexpr
     GROUP_M: tl.constexpr
     STAGES: tl.constexpr
+    B_T: tl.constexpr  # B read through its transpose's descriptor (`mainloop`)
 
 
 def default_config(dtype: torch.dtype = torch.bfloat16) -> MatmulConfig:
@@ -150,11 +151,16 @@ def tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.cons
 
 @triton.jit
 def mainloop(a_desc, b_desc, off_m, off_n, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             STAGES: tl.constexpr, off_k=0):
-    """The fp32 (BM, BN) tile of A[off_m:, off_k:off_k + K] @ B[off_k:off_k + K, off_n:]."""
+             STAGES: tl.constexpr, off_k=0, B_T: tl.constexpr = False):
+    """The fp32 (BM, BN) tile of A[off_m:, off_k:off_k + K] @ B[off_k:off_k + K, off_n:]. With B_T, `b_desc`
+    covers B's transpose (N, K), as a weight stored (out, in) is, in (BN, BK) blocks: wgmma reads either way."""
     acc = tl.zeros([BM, BN], tl.float32)
     for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
-        acc = tl.dot(a_desc.load([off_m, off_k + k * BK]), b_desc.load([off_k + k * BK, off_n]), acc)
+        if B_T:
+            b = b_desc.load([off_n, off_k + k * BK]).T
+        else:
+            b = b_desc.load([off_k + k * BK, off_n])
+        acc = tl.dot(a_desc.load([off_m, off_k + k * BK]), b, acc)
     return acc
 
 
@@ -178,7 +184,7 @@ def gemm_tile(a_desc, b_desc, M, N, K, tile, C):
     """(fp32 tile, pid_m, pid_n) for output tile `tile`, in grouped order, of a @ b; the fused ops' consumer.
     C: `Tiles` (or any named tuple with its fields), read in place so its entries stay constexprs."""
     pid_m, pid_n = tile_coords(tile, M, N, C.BM, C.BN, C.GROUP_M)
-    return mainloop(a_desc, b_desc, pid_m * C.BM, pid_n * C.BN, K, C.BM, C.BN, C.BK, C.STAGES), pid_m, pid_n
+    return mainloop(a_desc, b_desc, pid_m * C.BM, pid_n * C.BN, K, C.BM, C.BN, C.BK, C.STAGES, 0, C.B_T), pid_m, pid_n
 
 
 @triton.jit
@@ -267,16 +273,28 @@ class MatmulPlan:
         return c
 
 
+def transposed(b: torch.Tensor) -> bool:
+    """Whether `b` is the transposed view of a contiguous matrix, as ``weight.t()`` of an (out, in) weight is:
+    the fused GEMMs read such a B in place (`b_descriptor`), with no copy."""
+    return isinstance(b, torch.Tensor) and b.dim() == 2 and not b.is_contiguous() and b.t().is_contiguous()
+
+
+def b_descriptor(b: torch.Tensor, b_t: bool, block_k: int, block_n: int) -> TensorDescriptor:
+    """B's descriptor for `mainloop`: over B in (BK, BN) blocks, or with `b_t` over its transpose in (BN, BK)."""
+    return descriptor(b.t(), [block_n, block_k]) if b_t else descriptor(b, [block_k, block_n])
+
+
 def operands(op: str, a: torch.Tensor, b: torch.Tensor, a_shape: tuple[int, int], b_shape: tuple[int, int],
-             dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+             dtype: torch.dtype, device: torch.device, b_t: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A plan's per-call check of its operands against the shapes it was built for (cheap: no host exchange);
-    returns them contiguous."""
+    returns them contiguous, or b as a transposed view of a contiguous matrix for a plan built with `b_t`."""
     if a.shape != a_shape or b.shape != b_shape or a.dtype != dtype or b.dtype != dtype or a.device != device \
             or b.device != device:
         raise PKError(f"{op}: this plan was built for {dtype} operands of shapes {a_shape} and {b_shape} on "
                       f"{device}, got {a.dtype} {tuple(a.shape)} on {a.device} and {b.dtype} {tuple(b.shape)} on "
                       f"{b.device}")
-    a, b = a.contiguous(), b.contiguous()
+    a = a.contiguous()
+    b = (b if b.t().is_contiguous() else b.t().contiguous().t()) if b_t else b.contiguous()
     if a.data_ptr() % 16 or b.data_ptr() % 16:
         raise PKError(f"{op}: operands must start on a 16-byte boundary for TMA (a view with an odd offset?)")
     return a, b

@@ -150,7 +150,7 @@ def _mm_ar_kernel(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, res_ptr, res_ha
     call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
     G = Args(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, res_ptr, res_handle, res_desc, out_desc, ctr_ptr,
              ctr_handle, M, N, K, tiles, call)
-    lcsc(G, Tiles(BM, BN, BK, GROUP_M, STAGES), tiles, num_comm_tasks, num_comm, None, _consumer, _storer,
+    lcsc(G, Tiles(BM, BN, BK, GROUP_M, STAGES, False), tiles, num_comm_tasks, num_comm, None, _consumer, _storer,
          _communicator, call)
 
 

@@ -37,6 +37,7 @@ from .. import plan as plans
 from .matmul import (
     MatmulConfig,
     Tiles,
+    b_descriptor,
     check_operands,
     column_halves,
     default_config,
@@ -45,6 +46,7 @@ from .matmul import (
     new_output,
     operands,
     tile_coords,
+    transposed,
 )
 
 
@@ -106,7 +108,7 @@ def _consumer(G, C, task, loader):
     # A's descriptor covers all of A: a tile past the end of the owner's block reads the next block's rows,
     # whose results the clipped stores below drop.
     acc = mainloop(G.a_desc, G.b_desc, owner * G.m_block + pid_m * C.BM, pid_n * C.BN, G.K, C.BM, C.BN, C.BK,
-                   C.STAGES)
+                   C.STAGES, 0, C.B_T)
     return acc, owner, pid_m * C.BM, pid_n * C.BN
 
 
@@ -129,16 +131,18 @@ def _storer(G, C, task, result):
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (Triton would fold rank 1 into a constant)
 def _mm_rs_kernel(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, ctr_ptr, ctr_handle, out_desc, M, N, K, m_block,
                   per_owner, meet_counters, meet_slots, meet_handle, sig, rank, world, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+                  B_T: tl.constexpr):
     call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
     G = Args(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, ctr_ptr, ctr_handle, out_desc, M, N, K, m_block,
              per_owner, call)
-    lcsc(G, Tiles(BM, BN, BK, GROUP_M, STAGES), world * per_owner, 0, 0, None, _consumer, _storer, None, call)
+    lcsc(G, Tiles(BM, BN, BK, GROUP_M, STAGES, B_T), world * per_owner, 0, 0, None, _consumer, _storer, None, call)
 
 
 class MatmulReduceScatterPlan:
     """sum over ranks of a @ b, scattered by rows, for one shape, dtype and configuration: the shares' buffer and
-    counters on the heap, descriptors and the bound kernel."""
+    counters on the heap, descriptors and the bound kernel. A plan made for a transposed view b
+    (`matmul.transposed`) reads it in place."""
 
     op = "matmul_reduce_scatter"
 
@@ -149,7 +153,8 @@ class MatmulReduceScatterPlan:
         (self.M, self.K), self.N = a.shape, b.shape[1]
         self.m_block = self.M // world
         self.config = cfg = (config or default_config(a.dtype)).validate()
-        sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), cfg)
+        self.b_t = transposed(b)
+        sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), cfg, self.b_t)
         self._launch = None
         if self.m_block * self.N == 0:
             return
@@ -158,31 +163,32 @@ class MatmulReduceScatterPlan:
         buf = shares.view((self.m_block, self.N), a.dtype)
         ctr = heap().allocate(4 * per_owner, f"{self.op}.counters")
         half = [cfg.block_m, cfg.block_n // 2]
-        self._blocks = ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], half)
+        self._blocks = ([cfg.block_m, cfg.block_k], half)
         self._launch = Launcher(
             _mm_rs_kernel, grid(world * per_owner, 0), per_call=("a_desc", "b_desc", "out_desc"), buf_ptr=buf,
             buf_handle=shares.handle, buf_desc=descriptor(buf, half), ctr_ptr=ctr.view(per_owner, torch.int32),
             ctr_handle=ctr.handle, M=self.M, N=self.N, K=self.K, m_block=self.m_block, per_owner=per_owner,
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-            num_warps=cfg.num_warps, **meeting.meeting().args(sig))
+            B_T=self.b_t, num_warps=cfg.num_warps, **meeting.meeting().args(sig))
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's (M/W, N) row block of the sum over ranks of a @ b, into `out` (new by default)."""
         try:
-            a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device)
+            a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device, self.b_t)
             c = new_output(self.op, out, (self.m_block, self.N), self.dtype, self.device)
         except PKError as e:
             plans.refuse(int(self._launch is not None), e)
         if self._launch is not None:
-            self._launch(descriptor(a, self._blocks[0]), descriptor(b, self._blocks[1]),
-                         descriptor(c, self._blocks[2]))
+            cfg = self.config
+            self._launch(descriptor(a, self._blocks[0]), b_descriptor(b, self.b_t, cfg.block_k, cfg.block_n),
+                         descriptor(c, self._blocks[1]))
         return c
 
 
 def plan(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None) -> MatmulReduceScatterPlan:
     """The plan for matmul_reduce_scatter with operands like `a` and `b` (collective the first time)."""
     op = "matmul_reduce_scatter"
-    key = (op, getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), config)
+    key = (op, getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), config, transposed(b))
     found = plans.find(key)
     if found is not None:
         return found
@@ -203,6 +209,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over ranks of a @ b, scattered by rows: `a` is (M, K/W), `b` (K/W, N); returns (M/W, N).
 
+    `b` may be the transposed view of a contiguous (N, K/W) matrix (``weight.t()``): it is read in place.
     Collective. bf16, fp16 or fp32 (tf32 on a GPU); fp32 accumulation in the GEMM, shares of other ranks summed
     in the input dtype (as NCCL does); M must divide by the world size; K/W and N multiples of 8 (TMA rows).
     """

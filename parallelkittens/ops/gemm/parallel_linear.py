@@ -14,8 +14,9 @@ Tokens are the rows of a 2-D input; ranks hold contiguous blocks of rows, in ran
 
 `w_t` is the weight stored transposed, (in, out) of this rank's shard: `pk.nn`'s layers keep their (out, in)
 weight parameter as a transposed view of such a buffer, so the forward GEMM reads it with no copy. The backward's
-input-gradient GEMM reads it the other way round and makes a contiguous copy (a GEMM that reads B transposed would
-save it). The weight-gradient products run in torch.matmul (cuBLAS on a GPU), which takes transposed operands.
+input-gradient GEMM reads it the other way round, also in place: the fused GEMMs take a transposed B through a
+descriptor over its transpose (`matmul.transposed`). The weight-gradient products run in torch.matmul (cuBLAS on
+a GPU), which takes transposed operands.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def _column_backward(dy: torch.Tensor, x: torch.Tensor, gathered: torch.Tensor, 
     def input_gradient() -> torch.Tensor:
         if not need_dx:
             return dy.new_empty(0)
-        return _reduce_scatter64(dy @ w_t.t()) if exact else matmul_reduce_scatter(dy, w_t.t().contiguous())
+        return _reduce_scatter64(dy @ w_t.t()) if exact else matmul_reduce_scatter(dy, w_t.t())
 
     # the weight gradient on a side stream while the input gradient's reduce-scatter runs
     dw_t, dx = _overlapped(lambda: torch.matmul(gathered.t(), dy) if need_dw else dy.new_empty(0), input_gradient)
@@ -201,7 +202,7 @@ def _row_backward(dy: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, needs: l
         dx, dw_t = full @ w_t.t(), x.t() @ full
         db = _all_reduce64(dy.sum(0)) if need_db else dy.new_empty(0)
         return (dx if need_dx else dy.new_empty(0)), (dw_t if need_dw else dy.new_empty(0)), db
-    w = w_t.t().contiguous()
+    w = w_t.t()  # a transposed view: the fused GEMM reads it in place
     plan = agmm.plan(dy, w)
     dx = plan(dy, w)
     dw_t = torch.matmul(x.t(), plan.gathered(dy, copy=False)) if need_dw else dy.new_empty(0)
