@@ -73,8 +73,8 @@ def test_pingpong_gemm_is_warp_specialised(hot, compiled):
                                     "matmul_reduce_scatter_b_t"])
 def test_fused_gemms_use_wgmma_and_tma(hot, kernel):
     assert "wgmma" in hot[kernel] and "tma_store" in hot[kernel] and "release_sys_atomic" in hot[kernel]
-    if kernel != "all_gather_matmul":  # the shares go to their owners as TMA reduce-adds
-        assert "tma_reduce" in hot[kernel]
+    # the shares go to their owners as TMA stores into per-rank slots, not reduce-adds (whose order varies)
+    assert "tma_reduce" not in hot[kernel]
 
 
 def test_every_kernel_fits_in_shared_memory(compiled):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from conftest import worlds
 
 import parallelkittens as pk
 from parallelkittens.runtime.spawn import Failure, originating
@@ -95,10 +96,11 @@ def _killed_mid(op: str) -> None:
     pk.sync()
 
 
+@pytest.mark.parametrize("world", worlds("2"))  # on the GPU machine 2 and 4 ranks sharing the GPU
 @pytest.mark.parametrize("op", ["all_reduce", "matmul_all_reduce"])
-def test_a_rank_killed_mid_op_is_named(clean, op):
+def test_a_rank_killed_mid_op_is_named(clean, op, world):
     with pytest.raises(pk.PKError, match="rank 1 was killed by signal SIGKILL"):
-        pk.spawn(_killed_mid, 2, op, timeout=60)
+        pk.spawn(_killed_mid, world, op, timeout=60)
     _report(f"rank killed during {op}", clean())
     assert clean() < 15
 
@@ -115,15 +117,17 @@ def _never_arrives(inside_kernel: bool) -> None:
     pk.sync()
 
 
+@pytest.mark.parametrize("world", worlds("2"))
 @pytest.mark.parametrize("inside_kernel", [False, True], ids=["at the agreement", "inside the kernel"])
-def test_a_rank_that_never_arrives_is_named_in_default_mode(clean, monkeypatch, inside_kernel):
+def test_a_rank_that_never_arrives_is_named_in_default_mode(clean, monkeypatch, inside_kernel, world):
     monkeypatch.setenv("PK_DEBUG", "0")  # the default mode: the watchdog is PK_TIMEOUT
     monkeypatch.setenv("PK_TIMEOUT", "3")
     with pytest.raises(pk.RankError) as info:
-        pk.spawn(_never_arrives, 2, inside_kernel, timeout=60)
+        pk.spawn(_never_arrives, world, inside_kernel, timeout=60)
     _report(f"rank never arrives ({'kernel' if inside_kernel else 'agreement'})", clean())
     message = str(info.value)
-    assert info.value.rank == 0 and "rank(s) [1] did not arrive within" in message, message
+    # every waiting rank names rank 1; whichever gave up first is reported
+    assert info.value.rank != 1 and "rank(s) [1] did not arrive within" in message, message
     if inside_kernel:  # the kernel's own watchdog first, then the host's
         assert "WaitTimeoutError" in message and "arrivals at a call" in message and "after 3 s" in message, message
     else:
@@ -139,7 +143,10 @@ def _disagreements() -> dict[str, str]:
     me, dev = ctx.rank, ctx.device
     n = 8 + 8 * me  # a size that differs between the ranks
     x = torch.ones(n, 16, device=dev)
-    q = torch.ones(1, 2, n, 64, device=dev)
+    q = torch.ones(1, 4, n, 64, device=dev)
+    ids = torch.arange(4, device=dev).view(2, 2) % ctx.world_size  # expert e on rank e: every rank gets rows
+    experts = ctx.world_size
+    inner = 16 * (1 + me)  # an expert width that differs between the ranks
     cases = {
         "all_reduce": lambda: pk.ops.all_reduce(x),
         "all_gather": lambda: pk.ops.all_gather(x, 0),
@@ -151,6 +158,10 @@ def _disagreements() -> dict[str, str]:
         "ring_attention": lambda: pk.ops.ring_attention(q, q, q),
         "ulysses_attention": lambda: pk.ops.ulysses_attention(q.transpose(1, 2), q.transpose(1, 2),
                                                               q.transpose(1, 2)),
+        "moe_layout": lambda: pk.ops.moe_layout(ids, experts * (1 + me)),
+        "moe_dispatch_gemm": lambda: pk.ops.moe_dispatch_gemm(torch.ones(2, n, device=dev), ids,
+                                                              torch.ones(1, n, 16, device=dev)),
+        "moe_gemm_combine": lambda: _combine_of_width(inner, pk.ops.moe_layout(ids, experts)),
         "dtype": lambda: pk.ops.all_reduce(torch.ones(16, device=dev, dtype=torch.float32 if me else torch.bfloat16)),
         "wrong device": lambda: pk.ops.all_reduce(torch.ones(16, device="meta")),
         "not contiguous": lambda: pk.ops.all_gather(torch.ones(16, 4, device=dev).t(), 0),
@@ -169,12 +180,20 @@ def _disagreements() -> dict[str, str]:
     return messages
 
 
-def test_every_op_refuses_disagreeing_ranks_on_every_rank(clean):
-    everyone = pk.spawn(_disagreements, 2, timeout=120)
+def _combine_of_width(inner: int, layout) -> torch.Tensor:
+    dev = pk.context().device
+    return pk.ops.moe_gemm_combine(torch.ones(layout.rows, inner, device=dev), torch.ones(1, inner, 16, device=dev),
+                                   layout, torch.ones(2, 2, device=dev))
+
+
+@pytest.mark.parametrize("world", worlds("2"))
+def test_every_op_refuses_disagreeing_ranks_on_every_rank(clean, world):
+    everyone = pk.spawn(_disagreements, world, timeout=120)
     _report("disagreements, every op", clean())
     for rank, messages in enumerate(everyone):
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul",
-                   "matmul_reduce_scatter", "matmul_all_reduce", "ring_attention", "ulysses_attention", "dtype"):
+                   "matmul_reduce_scatter", "matmul_all_reduce", "ring_attention", "ulysses_attention", "moe_layout",
+                   "moe_dispatch_gemm", "moe_gemm_combine", "dtype"):
             assert messages[op].startswith("MismatchError") and "ranks called it differently" in messages[op], \
                 (rank, op, messages[op])
         assert "this rank's device is cpu" in messages["wrong device"], messages["wrong device"]
@@ -249,6 +268,15 @@ def _every_op_back_to_back(calls: int) -> list[str]:
         "ring_attention": lambda: pk.ops.ring_attention(q, q, q, causal=True, layout="zigzag"),
         "ulysses_attention": lambda: pk.ops.ulysses_attention(q, q, q),
     }
+    # MoE: two experts per rank, each token to its k = 2 next experts (some on this rank, some on others)
+    experts, tokens = 2 * ctx.world_size, torch.arange(64, device=dev)[:, None]
+    layout = pk.ops.moe_layout((tokens + me + torch.tensor([0, 1], device=dev)) % experts, experts)
+    w1 = (torch.arange(2 * 16 * 32, dtype=torch.float32, device=dev).reshape(2, 16, 32) * (me + 1)).cos() / 4
+    w2 = w1.transpose(1, 2).contiguous()
+    h = pk.ops.moe_dispatch_gemm(x, layout, w1)[0]
+    weights = (tokens + torch.tensor([1.0, 2.0], device=dev)).sin()
+    ops["moe_dispatch_gemm"] = lambda: pk.ops.moe_dispatch_gemm(x, layout, w1)[0]
+    ops["moe_gemm_combine"] = lambda: pk.ops.moe_gemm_combine(h, w2, layout, weights)
     first = {name: op().clone() for name, op in ops.items()}
     names, bad = list(ops), []
     for i in range(calls):
@@ -259,9 +287,10 @@ def _every_op_back_to_back(calls: int) -> list[str]:
     return bad
 
 
-def test_every_op_called_back_to_back_gives_identical_results(clean):
+@pytest.mark.parametrize("world", worlds("2"))
+def test_every_op_called_back_to_back_gives_identical_results(clean, world):
     calls = int(os.environ.get("PK_TEST_CALLS", "1000"))
-    for rank, bad in enumerate(pk.spawn(_every_op_back_to_back, 2, calls, timeout=900)):
+    for rank, bad in enumerate(pk.spawn(_every_op_back_to_back, world, calls, timeout=900)):
         assert not bad, f"rank {rank}: {bad[:5]}"
     _report(f"{calls} back-to-back calls, every op", clean())
 

@@ -124,12 +124,12 @@ def _gemm_kernels(dtype: str, gemm: dict) -> dict:
             "BK_COPY": "constexpr", "B_T": "constexpr"}, {**gemm, "BK_COPY": 64, "B_T": False}),
         "matmul_reduce_scatter": (_mm_rs_kernel, {
             "a_desc": a, "b_desc": b, "buf_ptr": ptr, "buf_handle": "*i64", "buf_desc": half, "ctr_ptr": "*i32",
-            "ctr_handle": "*i64", "out_desc": half, **ints("M", "N", "K", "m_block", "per_owner"), **MEET, **consts,
-            "B_T": "constexpr"}, {**gemm, "B_T": False}),
+            "ctr_handle": "*i64", "out_desc": half, **ints("M", "N", "K", "m_block", "slot_rows", "per_owner"), **MEET,
+            **consts, "B_T": "constexpr"}, {**gemm, "B_T": False}),
         "matmul_all_reduce": (_mm_ar_kernel, {
             "a_desc": a, "b_desc": b, "buf_ptr": ptr, "buf_handle": "*i64", "buf_desc": half, "res_ptr": ptr,
             "res_handle": "*i64", "res_desc": half, "out_desc": half, "ctr_ptr": "*i32", "ctr_handle": "*i64",
-            **ints("M", "N", "K", "tiles", "num_comm_tasks", "num_comm"), **MEET, **consts}, gemm),
+            **ints("M", "N", "K", "slot_rows", "tiles", "num_comm_tasks", "num_comm"), **MEET, **consts}, gemm),
     }
 
 

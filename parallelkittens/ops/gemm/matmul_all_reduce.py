@@ -2,9 +2,10 @@
 
 Schedule. The output tiles (grouped order) are split into W contiguous ranges, range r owned by rank r. Compute
 programs sweep all tiles starting at the next rank's range and ending with their own. A tile of another rank's
-range is added into its owner's symmetric buffer with one tensor-descriptor reduce-add in the input dtype, and
-the owner's counter for the tile is signalled. A tile of this rank's own range keeps its fp32 partial in
-registers, waits for the W - 1 peers' shares, adds them in fp32, zeroes the buffer tile, writes the sum to the
+range is stored, in the input dtype, into this rank's slot of its owner's symmetric buffer (one slot per rank),
+and the owner's counter for the tile is signalled. A tile of this rank's own range keeps its fp32 partial in
+registers, waits for the W - 1 peers' shares, adds them in fp32 in rank order (the same order at every call:
+bitwise reproducible), writes the sum to the
 output and to this rank's symmetric result buffer, and signals every peer that the tile is ready. Communicator
 programs take the tiles this rank does not own, wait for each to be ready and read it from its owner into the
 output, so moving results runs on their own SMs while the compute programs keep the tensor cores busy.
@@ -12,10 +13,10 @@ output, so moving results runs on their own SMs while the compute programs keep 
 No wait depends on a program that waits itself except through the owners, whose waits depend only on shares
 that are pushed unconditionally: no cycle, so ranks time-sliced on one GPU cannot deadlock. At one rank it is
 the persistent GEMM with no communicator. This is the paper's figure 18, with the NVLink-switch reduction
-replaced by reduce-adds into the owner and reads from it; shares of other ranks are summed in the input dtype
-(as NCCL does), the owner's own share and the final add in fp32.
+replaced by stores into the owner and reads from it; shares cross NVLink in the input dtype (as NCCL's do) and
+are summed in fp32. The share buffer holds W slots of the output (W x M x N elements).
 
-The kernel opens with the meeting (`template/meeting.py`), which also orders calls (no rank adds into a buffer,
+The kernel opens with the meeting (`template/meeting.py`), which also orders calls (no rank overwrites a share,
 or overwrites a result a peer still reads, before the previous call ended everywhere). If the ranks disagree on
 the call, every rank skips its shares, stores and reads and `pk.sync()` raises `MismatchError`.
 """
@@ -60,7 +61,7 @@ def reference_matmul_all_reduce(a_parts: list[torch.Tensor], b_parts: list[torch
 class Args(NamedTuple):
     a_desc: object
     b_desc: object
-    buf_ptr: object  # (M, N) in symmetric memory: peers' shares of this rank's tiles, zero between calls
+    buf_ptr: object  # (W * slot_rows, N) in symmetric memory: slot r holds rank r's shares of this rank's tiles
     buf_handle: object
     buf_desc: object
     res_ptr: object  # (M, N) in symmetric memory: the sums of this rank's tiles, which peers read
@@ -72,6 +73,7 @@ class Args(NamedTuple):
     M: object
     N: object
     K: object
+    slot_rows: object  # M rounded up to whole tiles
     tiles: object
     call: object  # the meeting
 
@@ -110,11 +112,11 @@ def _storer(G, C, task, result):
     owner = _owner(tile, world, G.tiles)
     left, right = column_halves(acc, C.BM, C.BN)
     if owner != G.call.rank:
-        push_share(left, right, G.buf_ptr, G.buf_handle, owner, G.ctr_ptr + tile, G.ctr_handle, G.M, G.N, row, col,
-                   C.BM, half)
+        push_share(left, right, G.buf_ptr, G.buf_handle, owner, G.call.rank, world, G.ctr_ptr + tile, G.ctr_handle,
+                   G.slot_rows, G.N, row, col, C.BM, half)
     else:
-        left, right = take_shares(left, right, G.buf_desc, G.ctr_ptr + tile, G.ctr_handle, world, row, col, C.BM,
-                                  half)
+        left, right = take_shares(left, right, G.buf_desc, G.ctr_ptr + tile, G.ctr_handle, G.call.rank, world,
+                                  G.slot_rows, row, col, C.BM, half)
         if world > 1:  # the sum for the peers to read
             G.res_desc.store([row, col], left.to(dtype))
             G.res_desc.store([row, col + half], right.to(dtype))
@@ -144,12 +146,12 @@ def _communicator(G, C, task):
 
 @triton.jit(do_not_specialize=["num_comm", "num_comm_tasks", "rank"])  # one binary for every rank
 def _mm_ar_kernel(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, res_ptr, res_handle, res_desc, out_desc, ctr_ptr,
-                  ctr_handle, M, N, K, tiles, num_comm_tasks, num_comm, meet_counters, meet_slots, meet_handle, sig,
-                  rank, world, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  ctr_handle, M, N, K, slot_rows, tiles, num_comm_tasks, num_comm, meet_counters, meet_slots,
+                  meet_handle, sig, rank, world, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  GROUP_M: tl.constexpr, STAGES: tl.constexpr):
     call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
     G = Args(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, res_ptr, res_handle, res_desc, out_desc, ctr_ptr,
-             ctr_handle, M, N, K, tiles, call)
+             ctr_handle, M, N, K, slot_rows, tiles, call)
     lcsc(G, Tiles(BM, BN, BK, GROUP_M, STAGES, False), tiles, num_comm_tasks, num_comm, None, _consumer, _storer,
          _communicator, call)
 
@@ -172,9 +174,10 @@ class MatmulAllReducePlan:
             return
         M, N = self.M, self.N
         tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-        shares = heap().pool("fused.accumulate", M * N * a.dtype.itemsize, zero=True)
+        slot_rows = cdiv(M, cfg.block_m) * cfg.block_m
+        shares = heap().pool("fused.shares", world * slot_rows * N * a.dtype.itemsize)
         results = heap().pool("fused.scratch", M * N * a.dtype.itemsize)
-        buf, res = shares.view((M, N), a.dtype), results.view((M, N), a.dtype)
+        buf, res = shares.view((world * slot_rows, N), a.dtype), results.view((M, N), a.dtype)
         ctr = heap().allocate(8 * tiles, f"{self.op}.counters")
         half = [cfg.block_m, cfg.block_n // 2]
         self._blocks = ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], half)
@@ -186,7 +189,8 @@ class MatmulAllReducePlan:
                 _mm_ar_kernel, grid(tiles, num_comm), per_call=("a_desc", "b_desc", "out_desc"), buf_ptr=buf,
                 buf_handle=shares.handle, buf_desc=descriptor(buf, half), res_ptr=res, res_handle=results.handle,
                 res_desc=descriptor(res, half), ctr_ptr=ctr.view(2 * tiles, torch.int32), ctr_handle=ctr.handle,
-                M=M, N=N, K=self.K, tiles=tiles, num_comm_tasks=not_mine, num_comm=num_comm, BM=cfg.block_m,
+                M=M, N=N, K=self.K, slot_rows=slot_rows, tiles=tiles, num_comm_tasks=not_mine, num_comm=num_comm,
+                BM=cfg.block_m,
                 BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
                 **meeting.meeting().args(sig))
 

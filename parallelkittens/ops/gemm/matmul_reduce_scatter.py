@@ -2,19 +2,21 @@
 
 Schedule (intra-SM, no communicator, one kernel). The output rows are split into W row blocks, block r owned by
 rank r, and each block is tiled on its own. A rank sweeps the blocks starting at the next rank's and ending with
-its own, so that at any moment the ranks add into different owners. A tile of another rank's block is added
-into the owner's symmetric buffer with one tensor-descriptor reduce-add (TMA ``cp.reduce.async.bulk``) in the
-input dtype, and the owner's counter for that tile is signalled. A tile of this rank's own block comes last: its
-fp32 partial stays in registers, the program waits until the W - 1 peers' shares of the tile are in, adds them
-in fp32, writes the output tile and zeroes the buffer tile for the next call. No accumulator pass, no finish
-kernel; at one rank it is the plain persistent GEMM with the output tile written once.
+its own, so that at any moment the ranks write to different owners. A tile of another rank's block is rounded to
+the input dtype and stored with TMA into this rank's slot of the owner's symmetric buffer (one slot per rank),
+and the owner's counter for that tile is signalled. A tile of this rank's own block comes last: its fp32 partial
+stays in registers, the program waits until the W - 1 peers' shares of the tile are in, adds them in fp32 in
+rank order and writes the output tile. No accumulator pass, no finish kernel; at one rank it is the plain
+persistent GEMM with the output tile written once.
 
-Across ranks the shares are summed in the input dtype, as NCCL's reduce-scatter sums bf16 in bf16 (half the
-bytes on NVLink of an fp32 share); the owner's own share and the final add are fp32. The order in which shares
-land varies, so bf16 results may differ in the last bit from call to call.
+Each share crosses NVLink once, in the input dtype, as NCCL's bf16 reduce-scatter sends bf16 (half the bytes of
+an fp32 share); the sum is fp32, in the same order at every call, so results are bitwise reproducible however
+the shares' arrivals interleave. The price is memory: the buffer holds W slots of the block (M x N elements in
+all, the size of the whole product). (Until 2026-12-06 the shares were reduce-added into one slot in arrival
+order: bf16 sums rounded at each add, and at 3 ranks or more results changed in the last bits between calls.)
 
 The kernel opens with the meeting (`template/meeting.py`), which is also what orders one call after the previous
-one (no rank adds into a buffer before its owner has read and zeroed it). If the ranks disagree on the call,
+one (no rank overwrites a share before its owner has read it). If the ranks disagree on the call,
 every rank skips its shares and stores and `pk.sync()` raises `MismatchError`.
 """
 
@@ -60,7 +62,7 @@ def reference_matmul_reduce_scatter(a_parts: list[torch.Tensor], b_parts: list[t
 class Args(NamedTuple):
     a_desc: object
     b_desc: object
-    buf_ptr: object  # (m_block, N) in symmetric memory: the peers' shares of this rank's tiles, zero between calls
+    buf_ptr: object  # (W * slot_rows, N) in symmetric memory: slot r holds rank r's shares of this rank's tiles
     buf_handle: object
     buf_desc: object
     ctr_ptr: object  # per tile of this rank's block: shares in; owners reset them
@@ -70,34 +72,36 @@ class Args(NamedTuple):
     N: object
     K: object
     m_block: object
+    slot_rows: object  # m_block rounded up to whole tiles
     per_owner: object  # tiles in one rank's row block
     call: object  # the meeting
 
 
 @triton.jit
-def push_share(left, right, buf_ptr, hb, owner, counter, hc, rows, N, row, col, BM: tl.constexpr,
+def push_share(left, right, buf_ptr, hb, owner, me, world, counter, hc, slot_rows, N, row, col, BM: tl.constexpr,
                HALF: tl.constexpr):
-    """Add this rank's share of a tile (its fp32 column halves, rounded to the buffer's dtype) into `owner`'s
-    (rows, N) buffer with two TMA reduce-adds, then signal the tile's counter on `owner`."""
+    """Store this rank's share of a tile (its fp32 column halves, rounded to the buffer's dtype) into slot `me` of
+    `owner`'s buffer (`world` slots of `slot_rows` rows, a multiple of BM, so a tile never spills into the next
+    slot) with two TMA stores, then signal the tile's counter on `owner`."""
     dtype = buf_ptr.dtype.element_ty
-    dst = pkl.peer_descriptor(buf_ptr, hb, owner, [rows, N], [N, 1], [BM, HALF])
-    dst.atomic_add([row, col], left.to(dtype))
-    dst.atomic_add([row, col + HALF], right.to(dtype))
+    slots = pkl.peer_descriptor(buf_ptr, hb, owner, [world * slot_rows, N], [N, 1], [BM, HALF])
+    slots.store([me * slot_rows + row, col], left.to(dtype))
+    slots.store([me * slot_rows + row, col + HALF], right.to(dtype))
     pkl.signal(counter, hc, owner)
 
 
 @triton.jit
-def take_shares(left, right, buf, counter, hc, world, row, col, BM: tl.constexpr, HALF: tl.constexpr):
-    """The owner's side: wait for the `world` - 1 peers' shares of the tile, add them to its own fp32 halves, and
-    leave the buffer tile (`buf`: the local buffer's descriptor, (BM, HALF) blocks) and the counter at zero for
-    the next call. Returns the summed halves."""
+def take_shares(left, right, buf, counter, hc, me, world, slot_rows, row, col, BM: tl.constexpr, HALF: tl.constexpr):
+    """The owner's side: wait for the `world` - 1 peers' shares of the tile (`buf`: the local buffer's descriptor,
+    (BM, HALF) blocks), add them to its own fp32 halves in rank order, the same order at every call, so the sum is
+    bitwise reproducible, and leave the counter at zero for the next call. Returns the summed halves."""
     if world > 1:
         pkl.wait(counter, world - 1, hc)
         tl.store(counter, 0)
-        left += buf.load([row, col]).to(tl.float32)
-        right += buf.load([row, col + HALF]).to(tl.float32)
-        buf.store([row, col], tl.zeros([BM, HALF], buf.dtype))
-        buf.store([row, col + HALF], tl.zeros([BM, HALF], buf.dtype))
+        for peer in range(world):
+            if peer != me:
+                left += buf.load([peer * slot_rows + row, col]).to(tl.float32)
+                right += buf.load([peer * slot_rows + row, col + HALF]).to(tl.float32)
     return left, right
 
 
@@ -119,23 +123,23 @@ def _storer(G, C, task, result):
     left, right = column_halves(acc, C.BM, C.BN)
     half: tl.constexpr = C.BN // 2
     if owner != G.call.rank:
-        push_share(left, right, G.buf_ptr, G.buf_handle, owner, counter, G.ctr_handle, G.m_block, G.N, row, col, C.BM,
-                   half)
+        push_share(left, right, G.buf_ptr, G.buf_handle, owner, G.call.rank, G.call.world, counter, G.ctr_handle,
+                   G.slot_rows, G.N, row, col, C.BM, half)
     else:
-        left, right = take_shares(left, right, G.buf_desc, counter, G.ctr_handle, G.call.world, row, col, C.BM,
-                                  half)
+        left, right = take_shares(left, right, G.buf_desc, counter, G.ctr_handle, G.call.rank, G.call.world,
+                                  G.slot_rows, row, col, C.BM, half)
         G.out_desc.store([row, col], left.to(G.out_desc.dtype))
         G.out_desc.store([row, col + half], right.to(G.out_desc.dtype))
 
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (Triton would fold rank 1 into a constant)
 def _mm_rs_kernel(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, ctr_ptr, ctr_handle, out_desc, M, N, K, m_block,
-                  per_owner, meet_counters, meet_slots, meet_handle, sig, rank, world, BM: tl.constexpr,
+                  slot_rows, per_owner, meet_counters, meet_slots, meet_handle, sig, rank, world, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
                   B_T: tl.constexpr):
     call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
     G = Args(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, ctr_ptr, ctr_handle, out_desc, M, N, K, m_block,
-             per_owner, call)
+             slot_rows, per_owner, call)
     lcsc(G, Tiles(BM, BN, BK, GROUP_M, STAGES, B_T), world * per_owner, 0, 0, None, _consumer, _storer, None, call)
 
 
@@ -159,15 +163,17 @@ class MatmulReduceScatterPlan:
         if self.m_block * self.N == 0:
             return
         per_owner = cdiv(self.m_block, cfg.block_m) * cdiv(self.N, cfg.block_n)
-        shares = heap().pool("fused.accumulate", self.m_block * self.N * a.dtype.itemsize, zero=True)
-        buf = shares.view((self.m_block, self.N), a.dtype)
+        slot_rows = cdiv(self.m_block, cfg.block_m) * cfg.block_m
+        shares = heap().pool("fused.shares", world * slot_rows * self.N * a.dtype.itemsize)
+        buf = shares.view((world * slot_rows, self.N), a.dtype)
         ctr = heap().allocate(4 * per_owner, f"{self.op}.counters")
         half = [cfg.block_m, cfg.block_n // 2]
         self._blocks = ([cfg.block_m, cfg.block_k], half)
         self._launch = Launcher(
             _mm_rs_kernel, grid(world * per_owner, 0), per_call=("a_desc", "b_desc", "out_desc"), buf_ptr=buf,
             buf_handle=shares.handle, buf_desc=descriptor(buf, half), ctr_ptr=ctr.view(per_owner, torch.int32),
-            ctr_handle=ctr.handle, M=self.M, N=self.N, K=self.K, m_block=self.m_block, per_owner=per_owner,
+            ctr_handle=ctr.handle, M=self.M, N=self.N, K=self.K, m_block=self.m_block, slot_rows=slot_rows,
+            per_owner=per_owner,
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
             B_T=self.b_t, num_warps=cfg.num_warps, **meeting.meeting().args(sig))
 
