@@ -96,7 +96,7 @@ def _killed_mid(op: str) -> None:
     pk.sync()
 
 
-@pytest.mark.parametrize("world", worlds("2"))  # on the GPU machine 2 and 4 ranks sharing the GPU
+@pytest.mark.parametrize("world", worlds("2,4"))
 @pytest.mark.parametrize("op", ["all_reduce", "matmul_all_reduce"])
 def test_a_rank_killed_mid_op_is_named(clean, op, world):
     with pytest.raises(pk.PKError, match="rank 1 was killed by signal SIGKILL"):
@@ -117,7 +117,7 @@ def _never_arrives(inside_kernel: bool) -> None:
     pk.sync()
 
 
-@pytest.mark.parametrize("world", worlds("2"))
+@pytest.mark.parametrize("world", worlds("2,4"))
 @pytest.mark.parametrize("inside_kernel", [False, True], ids=["at the agreement", "inside the kernel"])
 def test_a_rank_that_never_arrives_is_named_in_default_mode(clean, monkeypatch, inside_kernel, world):
     monkeypatch.setenv("PK_DEBUG", "0")  # the default mode: the watchdog is PK_TIMEOUT
@@ -186,7 +186,7 @@ def _combine_of_width(inner: int, layout) -> torch.Tensor:
                                    layout, torch.ones(2, 2, device=dev))
 
 
-@pytest.mark.parametrize("world", worlds("2"))
+@pytest.mark.parametrize("world", worlds("2,4"))
 def test_every_op_refuses_disagreeing_ranks_on_every_rank(clean, world):
     everyone = pk.spawn(_disagreements, world, timeout=120)
     _report("disagreements, every op", clean())
@@ -287,9 +287,10 @@ def _every_op_back_to_back(calls: int) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("world", worlds("2"))
+@pytest.mark.parametrize("world", worlds("2,4"))
 def test_every_op_called_back_to_back_gives_identical_results(clean, world):
-    calls = int(os.environ.get("PK_TEST_CALLS", "1000"))
+    # at 4 ranks (3 peers' shares per fused sum, in whatever order they land) a fifth of the calls, for CI's time
+    calls = int(os.environ.get("PK_TEST_CALLS", "1000")) // (1 if world <= 2 else 5)
     for rank, bad in enumerate(pk.spawn(_every_op_back_to_back, world, calls, timeout=900)):
         assert not bad, f"rank {rank}: {bad[:5]}"
     _report(f"{calls} back-to-back calls, every op", clean())
