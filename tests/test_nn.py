@@ -257,13 +257,11 @@ def _init_and_frozen() -> list[str]:
         col.bias.grad = row.bias.grad = None
     if col.weight.grad is not None or row.weight.grad is not None:
         failures.append("a frozen weight got a gradient")
-    # On a GPU at 3 ranks or more the reduce-scatter adds the peers' bf16 shares in arrival order
-    # (`matmul_reduce_scatter`), so two backwards may differ in the last bits: there the bound is bf16's.
-    exact = ctx.device.type == "cpu" or world <= 2
+    # bit for bit: the fused reduce-scatter sums its shares in rank order, whatever order they land in
     for name, a, b in zip(("input", "column bias", "row bias"), *grads, strict=True):
-        problem = None if torch.equal(a, b) else "differs" if exact else check_close(name, b, a, BF16, "gemm")
-        if problem:
-            failures.append(f"freezing the weights changed the {name} gradient: {problem}")
+        if not torch.equal(a, b):
+            off = check_close(name, b, a, BF16) or "in the last bits"
+            failures.append(f"freezing the weights changed the {name} gradient: {off}")
     pk.sync()
     return failures
 
@@ -318,8 +316,8 @@ def test_layers_agree_with_torch_tensor_parallel(world):
 
 def _graph_step(replays: int) -> list[str]:
     """A training step (forward and backward of column -> SiLU -> row) captured in one CUDA graph, replayed with
-    new inputs: every replay's output and gradients match an eager step's on the same inputs (to bf16 rounding: the
-    reduce-scatter's summing order may differ between calls)."""
+    new inputs: every replay's output and gradients match an eager step's on the same inputs, within bf16's bound
+    (the weight gradients are cuBLAS's, which need not pick the same algorithm under capture)."""
     ctx = pk.context()
     seed, failures = shared_seed(), []
     d, h, T = 256, 512 * ctx.local_world_size // 2, 384
