@@ -41,7 +41,9 @@ def _run(m: int, k: int, n: int) -> list[str]:
                       reference_matmul_reduce_scatter(a_parts, b_parts, me), dtype)
             # b as weight.t() of (n, k) weights (the layers' backward): read in place, through its transpose
             w_t = [rank_data((n, k), dtype, seed + call, 200 + r).t() for r in range(world)]
-            in_place = all_gather_matmul.plan(a_parts[me], w_t[0]).b_t
+            check(f"matmul, b transposed #{call}", matmul(a_parts[me], w_t[me]), reference_matmul(a_parts[me], w_t[me]),
+                  dtype)
+            in_place = all_gather_matmul.plan(a_parts[me], w_t[0]).b_t and matmul.plan(a_parts[me], w_t[me]).b_t
             if m % world == 0:
                 in_place &= matmul_reduce_scatter.plan(a_parts[me], w_t[me]).b_t
             if not in_place:

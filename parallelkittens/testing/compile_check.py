@@ -116,7 +116,8 @@ def _gemm_kernels(dtype: str, gemm: dict) -> dict:
     ints = lambda *names: {k: "i32" for k in names}
     return {
         "matmul": (_matmul_kernel, {"a_desc": a, "b_desc": b, "c_desc": half, **ints("M", "N", "K"), **consts,
-                                    "FLATTEN": "constexpr"}, {**gemm, "FLATTEN": True}),
+                                    "FLATTEN": "constexpr", "B_T": "constexpr"},
+                   {**gemm, "FLATTEN": True, "B_T": False}),
         "all_gather_matmul": (_ag_matmul_kernel, {
             "a_desc": a, "a_ptr": ptr, "a_full_ptr": ptr, "a_full_handle": "*i64", "a_full_desc": a, "b_desc": b,
             "c_desc": half, "flags_ptr": "*i32", "flags_handle": "*i64",

@@ -189,10 +189,10 @@ def gemm_tile(a_desc, b_desc, M, N, K, tile, C):
 
 @triton.jit
 def _matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   GROUP_M: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr):
+                   GROUP_M: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr, B_T: tl.constexpr):
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
-        acc = mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, STAGES)
+        acc = mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, STAGES, 0, B_T)
         store_tile(c_desc, acc.to(c_desc.dtype), pid_m * BM, pid_n * BN, BM, BN)
 
 
@@ -236,13 +236,14 @@ def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) 
 
 
 class MatmulPlan:
-    """a @ b for one (M, K) @ (K, N) shape and dtype: the configuration and the bound kernel."""
+    """a @ b for one (M, K) @ (K, N) shape and dtype: the configuration and the bound kernel. With `b_t`, b is
+    the transposed view of a contiguous (N, K) matrix (``weight.t()``), read in place."""
 
     op = "matmul"
 
-    def __init__(self, M: int, N: int, K: int, dtype: torch.dtype, config: MatmulConfig | None):
+    def __init__(self, M: int, N: int, K: int, dtype: torch.dtype, config: MatmulConfig | None, b_t: bool = False):
         ctx = context()
-        self.M, self.N, self.K, self.dtype, self.device = M, N, K, dtype, ctx.device
+        self.M, self.N, self.K, self.dtype, self.device, self.b_t = M, N, K, dtype, ctx.device, b_t
         self.config = cfg = (config or matmul_config(M, N, K, dtype)).validate()
         self._launch = None
         if M * N == 0 or K == 0:
@@ -250,7 +251,7 @@ class MatmulPlan:
         tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
         grid = (min(num_sms(), tiles),)
         per_call = ("a_desc", "b_desc", "c_desc")
-        if cfg.pingpong and pingpong.usable(ctx.device, dtype):
+        if cfg.pingpong and pingpong.usable(ctx.device, dtype) and not b_t:  # ping-pong reads B as (K, N) only
             # 4 warps per consumer, and the register budget the three roles share (168 x 384 threads = the SM's 64K)
             self._launch = Launcher(pingpong._pingpong_kernel, grid, per_call, M=M, N=N, K=K, GROUP_M=cfg.group_m,
                                     STAGES=cfg.num_stages, num_warps=4, maxnreg=168)
@@ -258,14 +259,15 @@ class MatmulPlan:
         else:
             self._launch = Launcher(_matmul_kernel, grid, per_call, M=M, N=N, K=K, BM=cfg.block_m, BN=cfg.block_n,
                                     BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, FLATTEN=cfg.flatten,
-                                    num_warps=cfg.num_warps)
-            blocks = ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], [cfg.block_m, cfg.block_n // 2])
-            self._descriptors = lambda a, b, c: (descriptor(a, blocks[0]), descriptor(b, blocks[1]),
-                                                 descriptor(c, blocks[2]))
+                                    B_T=b_t, num_warps=cfg.num_warps)
+            blocks = ([cfg.block_m, cfg.block_k], [cfg.block_m, cfg.block_n // 2])
+            self._descriptors = lambda a, b, c: (descriptor(a, blocks[0]),
+                                                 b_descriptor(b, b_t, cfg.block_k, cfg.block_n),
+                                                 descriptor(c, blocks[1]))
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """a @ b into `out` (a new tensor by default)."""
-        a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device)
+        a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device, self.b_t)
         c = new_output(self.op, out, (self.M, self.N), self.dtype, self.device)
         if self._launch is None:
             return c.zero_()
@@ -314,7 +316,8 @@ def new_output(op: str, out: torch.Tensor | None, shape: tuple[int, int], dtype:
 
 def plan(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> MatmulPlan:
     """The plan for a @ b with operands like `a` and `b` (not collective)."""
-    key = ("matmul", getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), config)
+    key = ("matmul", getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), config,
+           transposed(b))
     found = plans.find(key)
     if found is not None:
         return found
@@ -325,13 +328,14 @@ def plan(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -
             config.validate()
         return ""
 
-    return plans.get(key, lambda: MatmulPlan(a.shape[0], b.shape[1], a.shape[1], a.dtype, config), check,
+    return plans.get(key, lambda: MatmulPlan(a.shape[0], b.shape[1], a.shape[1], a.dtype, config, key[-1]), check,
                      collective=False)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b with the persistent descriptor GEMM: (M, K) @ (K, N) -> (M, N), fp32 accumulation. Not collective."""
+    """a @ b with the persistent descriptor GEMM: (M, K) @ (K, N) -> (M, N), fp32 accumulation. Not collective.
+    `b` may be the transposed view of a contiguous (N, K) matrix (``x @ weight.t()``): it is read in place."""
     return plan(a, b, config)(a, b, out=out)
 
 
