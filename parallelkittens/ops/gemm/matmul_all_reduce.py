@@ -242,10 +242,10 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
                       config: MatmulConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """sum over ranks of a @ b: `a` is (M, K/W), `b` (K/W, N); returns the full (M, N) sum on every rank.
 
-    Collective. bf16, fp16 or fp32 (tf32 on a GPU); fp32 accumulation in the GEMM, shares of other ranks summed
-    in the input dtype (as NCCL does); K/W and N multiples of 8. `num_comm_sms` communicator programs read
-    the results of other ranks' tiles; None picks the count by timing the candidates once per plan
-    (`ops/gemm/_tuning.py`), the same on every rank (none at one rank).
+    Collective. bf16, fp16 or fp32 (tf32 on a GPU); fp32 accumulation in the GEMM; other ranks' shares sent in
+    the input dtype (as NCCL does) and summed in fp32 in rank order: bitwise reproducible; K/W and N multiples
+    of 8. `num_comm_sms` communicator programs read the results of other ranks' tiles; None picks the count by
+    timing the candidates once per plan (`ops/gemm/_tuning.py`), the same on every rank (none at one rank).
     """
     return plan(a, b, num_comm_sms=num_comm_sms, config=config)(a, b, out=out)
 

@@ -216,8 +216,9 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     """Sum over ranks of a @ b, scattered by rows: `a` is (M, K/W), `b` (K/W, N); returns (M/W, N).
 
     `b` may be the transposed view of a contiguous (N, K/W) matrix (``weight.t()``): it is read in place.
-    Collective. bf16, fp16 or fp32 (tf32 on a GPU); fp32 accumulation in the GEMM, shares of other ranks summed
-    in the input dtype (as NCCL does); M must divide by the world size; K/W and N multiples of 8 (TMA rows).
+    Collective. bf16, fp16 or fp32 (tf32 on a GPU); fp32 accumulation in the GEMM; other ranks' shares sent in
+    the input dtype (as NCCL does) and summed in fp32 in rank order: bitwise reproducible; M must divide by the
+    world size; K/W and N multiples of 8 (TMA rows).
     """
     return plan(a, b, config=config)(a, b, out=out)
 
