@@ -14,7 +14,8 @@ No wait depends on a program that waits itself except through the owners, whose 
 that are pushed unconditionally: no cycle, so ranks time-sliced on one GPU cannot deadlock. At one rank it is
 the persistent GEMM with no communicator. This is the paper's figure 18, with the NVLink-switch reduction
 replaced by stores into the owner and reads from it; shares cross NVLink in the input dtype (as NCCL's do) and
-are summed in fp32. The share buffer holds W slots of the output (W x M x N elements).
+are summed in fp32. The share buffer holds a slot per rank of the owner's tiles, each a (BM, BN) block:
+about M x N elements in all.
 
 The kernel opens with the meeting (`template/meeting.py`), which also orders calls (no rank overwrites a share,
 or overwrites a result a peer still reads, before the previous call ended everywhere). If the ranks disagree on
@@ -61,7 +62,7 @@ def reference_matmul_all_reduce(a_parts: list[torch.Tensor], b_parts: list[torch
 class Args(NamedTuple):
     a_desc: object
     b_desc: object
-    buf_ptr: object  # (W * slot_rows, N) in symmetric memory: slot r holds rank r's shares of this rank's tiles
+    buf_ptr: object  # (W * slot_rows, BN) in symmetric memory: slot r holds rank r's shares of this rank's tiles
     buf_handle: object
     buf_desc: object
     res_ptr: object  # (M, N) in symmetric memory: the sums of this rank's tiles, which peers read
@@ -73,7 +74,7 @@ class Args(NamedTuple):
     M: object
     N: object
     K: object
-    slot_rows: object  # M rounded up to whole tiles
+    slot_rows: object  # BM rows per tile of the longest range
     tiles: object
     call: object  # the meeting
 
@@ -111,12 +112,14 @@ def _storer(G, C, task, result):
     world = G.call.world
     owner = _owner(tile, world, G.tiles)
     left, right = column_halves(acc, C.BM, C.BN)
+    # a slot holds the owner's tiles only, each a (BM, BN) block at the tile's place in the owner's range
+    at = (tile - _first_tile(owner, world, G.tiles)) * C.BM
     if owner != G.call.rank:
         push_share(left, right, G.buf_ptr, G.buf_handle, owner, G.call.rank, world, G.ctr_ptr + tile, G.ctr_handle,
-                   G.slot_rows, G.N, row, col, C.BM, half)
+                   G.slot_rows, C.BN, at, 0, C.BM, half)
     else:
         left, right = take_shares(left, right, G.buf_desc, G.ctr_ptr + tile, G.ctr_handle, G.call.rank, world,
-                                  G.slot_rows, row, col, C.BM, half)
+                                  G.slot_rows, at, 0, C.BM, half)
         if world > 1:  # the sum for the peers to read
             G.res_desc.store([row, col], left.to(dtype))
             G.res_desc.store([row, col + half], right.to(dtype))
@@ -174,10 +177,10 @@ class MatmulAllReducePlan:
             return
         M, N = self.M, self.N
         tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-        slot_rows = cdiv(M, cfg.block_m) * cfg.block_m
-        shares = heap().pool("fused.shares", world * slot_rows * N * a.dtype.itemsize)
+        slot_rows = cdiv(tiles, world) * cfg.block_m  # the longest range's tiles, stacked
+        shares = heap().pool("fused.shares", world * slot_rows * cfg.block_n * a.dtype.itemsize)
         results = heap().pool("fused.scratch", M * N * a.dtype.itemsize)
-        buf, res = shares.view((world * slot_rows, N), a.dtype), results.view((M, N), a.dtype)
+        buf, res = shares.view((world * slot_rows, cfg.block_n), a.dtype), results.view((M, N), a.dtype)
         ctr = heap().allocate(8 * tiles, f"{self.op}.counters")
         half = [cfg.block_m, cfg.block_n // 2]
         self._blocks = ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], half)
