@@ -70,10 +70,6 @@ class MatmulConfig:
                           f"(one warp group's accumulator in registers); got {self}")
         return self
 
-    def tiles(self) -> Tiles:
-        """The kernels' compile-time tile sizes, as the named tuple the GEMM roles read."""
-        return Tiles(self.block_m, self.block_n, self.block_k, self.group_m, self.num_stages, False)
-
 
 class Tiles(NamedTuple):
     """A GEMM's compile-time values inside a kernel: roles read ``C.BM`` in place, so they stay constexprs."""

@@ -5,10 +5,10 @@ programs sweep all tiles starting at the next rank's range and ending with their
 range is stored, in the input dtype, into this rank's slot of its owner's symmetric buffer (one slot per rank),
 and the owner's counter for the tile is signalled. A tile of this rank's own range keeps its fp32 partial in
 registers, waits for the W - 1 peers' shares, adds them in fp32 in rank order (the same order at every call:
-bitwise reproducible), writes the sum to the
-output and to this rank's symmetric result buffer, and signals every peer that the tile is ready. Communicator
-programs take the tiles this rank does not own, wait for each to be ready and read it from its owner into the
-output, so moving results runs on their own SMs while the compute programs keep the tensor cores busy.
+bitwise reproducible), writes the sum to the output and to this rank's symmetric result buffer, and signals
+every peer that the tile is ready. Communicator programs take the tiles this rank does not own, wait for each
+to be ready and read it from its owner into the output, so moving results runs on their own SMs while the
+compute programs keep the tensor cores busy.
 
 No wait depends on a program that waits itself except through the owners, whose waits depend only on shares
 that are pushed unconditionally: no cycle, so ranks time-sliced on one GPU cannot deadlock. At one rank it is

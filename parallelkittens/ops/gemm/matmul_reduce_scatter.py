@@ -173,9 +173,8 @@ class MatmulReduceScatterPlan:
             _mm_rs_kernel, grid(world * per_owner, 0), per_call=("a_desc", "b_desc", "out_desc"), buf_ptr=buf,
             buf_handle=shares.handle, buf_desc=descriptor(buf, half), ctr_ptr=ctr.view(per_owner, torch.int32),
             ctr_handle=ctr.handle, M=self.M, N=self.N, K=self.K, m_block=self.m_block, slot_rows=slot_rows,
-            per_owner=per_owner,
-            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-            B_T=self.b_t, num_warps=cfg.num_warps, **meeting.meeting().args(sig))
+            per_owner=per_owner, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+            STAGES=cfg.num_stages, B_T=self.b_t, num_warps=cfg.num_warps, **meeting.meeting().args(sig))
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's (M/W, N) row block of the sum over ranks of a @ b, into `out` (new by default)."""
