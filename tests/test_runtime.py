@@ -176,7 +176,25 @@ def test_crash_leaves_no_files():
     # the fixture checks /dev/shm and children
 
 
+def _watchdog_s() -> float:
+    return pk.context().settings.timeout_s
+
+
+def test_forkserver_ranks_take_the_parents_environment_of_now(monkeypatch):
+    """The fork server starts once, with the environment of that moment; its ranks must still see what the parent
+    set since (a test's monkeypatched PK_TIMEOUT, a user's CUDA_VISIBLE_DEVICES)."""
+    monkeypatch.setenv("PK_SPAWN_METHOD", "forkserver")
+    monkeypatch.setenv("PK_TIMEOUT", "321")
+    assert pk.spawn(_watchdog_s, 2) == [321.0, 321.0]
+    monkeypatch.setenv("PK_TIMEOUT", "123")
+    assert pk.spawn(_watchdog_s, 2) == [123.0, 123.0]
+    monkeypatch.setenv("PK_SPAWN_METHOD", "vfork")
+    with pytest.raises(pk.PKError, match="PK_SPAWN_METHOD='vfork' is not one of auto, fork, forkserver, spawn"):
+        pk.spawn(_watchdog_s, 2)
+
+
 def _sleep_forever() -> None:
+    print(os.getpid(), flush=True)  # the test reads each rank's pid from the shared stdout
     time.sleep(600)
 
 
@@ -187,31 +205,43 @@ pk.spawn(test_runtime._sleep_forever, 2, backend="cpu")
 """
 
 
-def test_ranks_die_with_a_killed_parent():
-    """A parent killed outright (a CI timeout, kill -9) takes its ranks with it: none is left running."""
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in glob.glob(f"/proc/{p}/task/*/children"):
+            try:
+                kids = [int(k) for k in open(task).read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_ranks_die_with_a_killed_parent(method):
+    """A parent killed outright (a CI timeout, kill -9) takes its ranks with it, and its fork server: none is left
+    running."""
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join([here, os.path.dirname(here)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT], stdout=subprocess.PIPE, text=True, cwd=here,
-                              env=dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1"))  # backend cpu, on GPU too
+                              env=dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1", PK_SPAWN_METHOD=method))
     try:
         pid = int(parent.stdout.readline())
-        deadline = time.monotonic() + 60
-        ranks: list[int] = []
-        while len(ranks) < 2 and time.monotonic() < deadline and parent.poll() is None:
-            ranks = [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-            time.sleep(0.2)
-        assert len(ranks) >= 2, f"the parent started {ranks} (exit code {parent.poll()}; its stderr is above)"
-        time.sleep(2)  # let the ranks reach fn
+        ranks = [int(parent.stdout.readline()) for _ in range(2)]  # both ranks are in fn
+        everyone = _descendants(pid)
+        assert set(ranks) <= set(everyone), (ranks, everyone)
     finally:
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 10
-    while any(os.path.exists(f"/proc/{r}") and "Z" not in _state(r) for r in ranks) and time.monotonic() < deadline:
+    while any(os.path.exists(f"/proc/{r}") and "Z" not in _state(r) for r in everyone) and time.monotonic() < deadline:
         time.sleep(0.1)
-    alive = [r for r in ranks if os.path.exists(f"/proc/{r}") and "Z" not in _state(r)]
+    alive = [r for r in everyone if os.path.exists(f"/proc/{r}") and "Z" not in _state(r)]
     for r in alive:
         os.kill(r, signal.SIGKILL)
-    assert not alive, f"ranks {alive} outlived their parent"
+    assert not alive, f"processes {alive} of {everyone} (ranks {ranks}) outlived their parent"
 
 
 def _state(pid: int) -> str:

@@ -29,6 +29,10 @@ VARIABLES: dict[str, tuple[str, object, str]] = {
                                        "raises `WaitTimeoutError`)"),
     "PK_JOIN_TIMEOUT": ("join_timeout_s", 60.0, "seconds `init()` waits for every rank to join"),
     "PK_SPAWN_TIMEOUT": ("spawn_timeout_s", 300.0, "seconds `spawn()` lets ranks run"),
+    "PK_SPAWN_METHOD": ("spawn_method", "auto", "how `spawn()` starts ranks: `auto` (fork on the CPU backend while "
+                                                "the parent has no CUDA and no process group, else `forkserver`), "
+                                                "`fork`, `forkserver` or `spawn` (a cold interpreter per rank: the "
+                                                "slowest, and safe whatever the main module does at import)"),
     "PK_FAST_LAUNCH": ("fast_launch", True, "`0`: launch every kernel through Triton's own path; by default a plan's "
                                             "later calls go straight to the compiled kernel's launcher"),
     "PK_INTERPRET_SMS": ("interpret_sms", 4, "programs a persistent kernel runs under the interpreter (each is a "
@@ -52,6 +56,7 @@ class Settings:
     timeout_s: float = 600.0
     join_timeout_s: float = 60.0
     spawn_timeout_s: float = 300.0
+    spawn_method: str = "auto"
     fast_launch: bool = True
     interpret_sms: int = 4
     one_shot_bytes: int = 256 * 1024

@@ -19,6 +19,7 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 import uuid
@@ -36,22 +37,31 @@ from .settings import Settings
 _GRACE_S = 1.0  # after the first failure, how long other ranks may take to report their own errors
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Have the kernel kill this rank when the process that spawned it dies (killed by a timeout or Ctrl-C
-    twice, say), so that no orphaned rank is left spinning in a kernel on a shared GPU. Linux only."""
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Have the kernel kill this rank when its parent process dies, so that no orphaned rank is left spinning in a
+    kernel on a shared GPU. The parent is the process that called `spawn` (a timeout or Ctrl-C twice kills it), or
+    its fork server, which exits as soon as that process is gone. Linux only."""
+    # A fork server exits once the spawning process, the last holder of its "alive" pipe, is gone; but it hands
+    # every child a copy of that pipe (for servers of their own). A rank holding one would keep the server, its
+    # parent, alive after the spawning process died, and with it itself: close it and forget that server.
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent_pid:  # the parent died before the request took hold
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before the request took hold
         os._exit(1)
 
 
-def _rank_main(fn: Callable, args: tuple, rank: int, env: dict[str, str], conn, parent_pid: int, forked: bool
-               ) -> None:
+def _rank_main(fn: Callable, args: tuple, rank: int, env: dict[str, str], conn, parent_pid: int | None,
+               forked: bool) -> None:
     _die_with_parent(parent_pid)
+    os.environ.clear()  # a fork server's environment is the one it started with: take the parent's of now
     os.environ.update(env)
     os.environ["MASTER_PORT"] = str(conn.recv())  # the parent's store starts after the fork (threads and fork mix ill)
     _context._CTX = None  # a forked rank must not inherit a context
@@ -60,6 +70,9 @@ def _rank_main(fn: Callable, args: tuple, rank: int, env: dict[str, str], conn, 
         # of 1 MiB say, hangs); with one thread torch runs every op inline and never touches that pool.
         torch.set_num_threads(1)
     try:
+        if torch.cuda._is_in_bad_fork():
+            raise PKError("this rank was forked from a process that had initialised CUDA; set "
+                          "PK_SPAWN_METHOD=spawn")
         _context.init()
         result = fn(*args)
         payload = ("ok", result)
@@ -90,11 +103,35 @@ def _rank_main(fn: Callable, args: tuple, rank: int, env: dict[str, str], conn, 
         os._exit(0)
 
 
-def _start_method(backend: str) -> str:
-    # fork is ~20x cheaper than spawn on the CPU, but a process that has touched CUDA cannot be forked.
-    if backend == "cpu" and not torch.cuda.is_initialized() and not torch.distributed.is_initialized():
-        return "fork"
-    return "spawn"
+METHODS = ("auto", "fork", "forkserver", "spawn")
+
+
+def _start_method(backend: str, settings: Settings) -> str:
+    """How ranks start (PK_SPAWN_METHOD). Forking is about 20x cheaper than a cold interpreter, but a process that
+    has touched CUDA or runs a process group's threads cannot be forked safely; a fork server can: it is started
+    once per parent, before any of that, with torch and triton already imported, and forks each rank."""
+    method = settings.spawn_method
+    if method not in METHODS:
+        raise PKError(f"PK_SPAWN_METHOD={method!r} is not one of {', '.join(METHODS)}")
+    fork_safe = not torch.cuda.is_initialized() and not torch.distributed.is_initialized()
+    if method == "fork" and not fork_safe:
+        raise PKError("PK_SPAWN_METHOD=fork, but this process has initialised CUDA or a process group, which a "
+                      "forked rank cannot use; use forkserver or spawn")
+    if method == "auto":
+        method = "fork" if backend == "cpu" and fork_safe else "forkserver"
+    return method
+
+
+def _context_for(method: str) -> tuple[Any, int | None]:
+    """The multiprocessing context for `method`, and the pid the ranks' parent will have (None: not known)."""
+    mpc = mp.get_context(method)
+    if method != "forkserver":
+        return mpc, os.getpid()
+    from multiprocessing import forkserver
+
+    mpc.set_forkserver_preload(["torch", "triton"])  # not __main__: the server must never initialise CUDA
+    forkserver.ensure_running()
+    return mpc, getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
@@ -118,11 +155,12 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
     name = _context.choose_backend(world_size, backend, settings)
     timeout = timeout if timeout is not None else settings.spawn_timeout_s
     job_id = uuid.uuid4().hex[:12]
-    mpc = mp.get_context(_start_method(name))
+    mpc, ranks_parent = _context_for(_start_method(name, settings))
     procs, conns, store = [], [], None
     try:
         for rank in range(world_size):
             env = {
+                **os.environ,
                 "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                 "TORCHELASTIC_USE_AGENT_STORE": "True",  # the ranks connect to the parent's store
@@ -131,7 +169,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
             }
             parent_conn, child_conn = mpc.Pipe()  # the store's port goes down, the result comes up
             proc = mpc.Process(target=_rank_main, daemon=True, name=f"pk-rank-{rank}",
-                               args=(fn, args, rank, env, child_conn, os.getpid(), mpc.get_start_method() == "fork"))
+                               args=(fn, args, rank, env, child_conn, ranks_parent, mpc.get_start_method() == "fork"))
             proc.start()
             child_conn.close()
             procs.append(proc)
