@@ -42,12 +42,12 @@ def _bound(monkeypatch, direct: bool = True, **named):
     return kernel, launcher
 
 
-def _in_a_rank(test: str) -> list:
+def _in_a_rank(test: str, *args) -> list:
     import _pytest.monkeypatch
 
     mp = _pytest.monkeypatch.MonkeyPatch()
     try:
-        return globals()[test](mp)
+        return globals()[test](mp, *args)
     finally:
         mp.undo()
 
@@ -117,6 +117,103 @@ def _new_thread_gets_the_allocator(mp) -> list:
     thread.start()
     thread.join()
     return seen
+
+
+class _Desc:  # a host tensor descriptor's fields, as the encoder reads them
+    def __init__(self, t, block=(2,)):
+        self.base, self.shape, self.strides, self.block_shape = t, t.shape, t.stride(), block
+
+
+class _DescKernel(_Kernel):
+    arg_names = ["a_desc", "n", "w_desc", "BLOCK"]
+
+
+def _encoded_launch(mp, triton_36: bool, release: str | None = None) -> list:
+    """A kernel with a per-call and a fixed descriptor, launched four times with stand-ins for the compiled
+    kernel, its C launcher (Triton 3.6's layout or 3.9's) and Triton's descriptor encoder."""
+    from triton.backends.nvidia import driver as nvidia
+
+    mp.setattr(launching, "TRITON", release or ("3.6" if triton_36 else "3.9"))
+    encoded, c_calls = [], []
+
+    def encode(desc, meta, *base_args):
+        encoded.append(desc.base.data_ptr())
+        return [f"map{len(encoded)}:{meta}", *desc.shape, *desc.strides]
+
+    if triton_36:
+        mp.setattr(nvidia, "make_tensordesc_arg", lambda desc, meta: encode(desc, meta))
+    else:
+        mp.setattr(nvidia, "make_tensordesc_arg", encode)
+    kernel = _DescKernel()
+    compiled = kernel.compiled
+    compiled.metadata = types.SimpleNamespace(tensordesc_meta=["A", "W"])
+    run = types.SimpleNamespace(global_scratch_size=0, profile_scratch_size=0, launch_cooperative_grid=False,
+                                launch_pdl=True)
+    if triton_36:
+        launcher = lambda *args: c_calls.append(args)  # noqa: E731  (the name Triton 3.6's wrapper closes over)
+
+        def wrapper(*args):  # Triton's wrapper, which would encode at every call
+            return launcher(*args)
+        run.launch = wrapper
+        utils = None
+    else:
+        run.kernel_signature, run.arg_annotations = b"sig", "annotations"
+        utils = types.SimpleNamespace(launch=lambda *args: c_calls.append(args[:-1] + (list(args[-1]),)))
+    compiled.run = run
+    mp.setattr(launching, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_stream=lambda device: 5, utils=utils)))
+    w = torch.zeros(8)
+    bound = launching.Launcher(kernel, (3,), per_call=("a_desc",), descriptors={"a_desc": _Desc}, n=9,
+                               w_desc=_Desc(w, (4,)), BLOCK=64)
+    bound._direct_ok = True
+    x, y = torch.zeros(4), torch.zeros(2, 6)
+    for t in (x, x, x, y):
+        if release:  # a release whose launcher is not known: Triton's path, not the encoded one
+            bound(t)
+            return [bound._encoded is None, bound.launches]
+        bound(t)
+    names = {x.data_ptr(): "x", y.data_ptr(): "y", w.data_ptr(): "w"}
+    first = kernel.slow[0][1]
+    return [len(kernel.slow), type(first["a_desc"]).__name__, [names[p] for p in encoded], c_calls]
+
+
+def test_descriptors_are_encoded_once_per_tensor_and_passed_to_tritons_c_launcher():
+    for triton_36 in (True, False):
+        slow, first_type, encoded, calls = pk.spawn(_in_a_rank, 1, "_encoded_launch", triton_36)[0]
+        # Triton's path once, with the descriptor made from the tensor passed
+        assert slow == 1 and first_type == "_Desc"
+        # at the first direct call: the first call's and the fixed descriptor (the template), then x's; then y's
+        assert encoded == ["x", "w", "x", "y"]
+        x_args = ["map3:A", 4, 1, 9, "map2:W", 8, 1, 64]  # descriptors spread into (map, shape, strides)
+        y_args = ["map4:A", 2, 6, 6, 1, 9, "map2:W", 8, 1, 64]
+        if triton_36:  # (grid, stream, function, coop, pdl, scratch x2, metadata, hooks x3, *arguments)
+            prefix = (3, 1, 1, 5, "fn", False, True, None, None, "meta", None, None, None)
+            assert calls == [prefix + tuple(x_args)] * 2 + [prefix + tuple(y_args)]
+        else:  # (grid, stream, function, coop, pdl, metadata, hooks x3, scratch x2, annotations, signature, args)
+            prefix = (3, 1, 1, 5, "fn", False, True, "meta", None, None, None, None, None, "annotations", b"sig")
+            assert calls == [prefix + (x_args,)] * 2 + [prefix + (y_args,)]
+
+
+def test_under_a_triton_release_not_known_descriptors_are_left_to_triton():
+    assert pk.spawn(_in_a_rank, 1, "_encoded_launch", False, "3.99")[0] == [True, 1]
+
+
+def _scratch_kernel_encodes_through_triton(mp) -> list:
+    kernel, launcher = _bound(mp, descriptors={"a": _Desc}, n=9, BLOCK=64)
+    compiled = kernel.compiled
+    compiled.metadata = types.SimpleNamespace(tensordesc_meta=["A"])
+    calls = compiled.calls
+    compiled.run = lambda *args: calls.append(args)
+    compiled.run.global_scratch_size, compiled.run.profile_scratch_size = 128, 0  # device-made descriptors too
+    x = torch.zeros(4)
+    launcher(x)
+    launcher(x)
+    (call,) = calls
+    return [type(call[-3]).__name__, call[-3].base is x]
+
+
+def test_a_kernel_the_encoded_path_cannot_take_gets_descriptors_made_at_each_call():
+    assert pk.spawn(_in_a_rank, 1, "_scratch_kernel_encodes_through_triton")[0] == ["_Desc", True]
 
 
 def test_second_call_goes_straight_to_the_compiled_launcher_with_every_parameter_in_order():

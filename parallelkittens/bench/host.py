@@ -4,7 +4,9 @@ Two numbers per op and implementation, each the median of five rounds taken in t
 
 * `eager_us`: 200 calls back to back, then `torch.cuda.synchronize()`, divided by 200: what a user's loop sees;
 * `issue_us`: the same calls without the final synchronise: the time to issue one call (`host_us` in
-  bench/collectives.py).
+  bench/collectives.py);
+* `gpu_us`: in the eager rounds, the GPU's time from the first call's start to the last one's end (CUDA events)
+  per call: near `eager_us` where the GPU sets the pace, below it where the host does.
 
 Cases: `matmul` at 2048x256x2048 and 2048x2048x256 beside `torch.matmul`; each fused op at world 1 at 2048^3
 beside `torch.matmul` (at one rank it is a GEMM); each collective at 4 KB and 1 MB, ours on a plain tensor and on a
@@ -37,23 +39,29 @@ def _round(fn, sync: bool, calls: int = CALLS) -> float:
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start = time.perf_counter()
+    first.record()
     for _ in range(calls):
         fn()
+    last.record()
     if sync:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
-    return elapsed * 1e6 / calls
+    return elapsed * 1e6 / calls, first.elapsed_time(last) * 1e3 / calls
 
 
 def _in_turns(fns: dict, sync: bool, calls: int = CALLS) -> dict:
-    """Median µs per call of each fn, rounds taken in turns so that a change of clocks weighs on all alike."""
+    """Median µs per call of each fn, rounds taken in turns so that a change of clocks weighs on all alike:
+    {name: (host µs, GPU µs)}, the GPU's from the first call's start to the last one's end (events): near the
+    host's figure where the host sets the pace, above it where the GPU does."""
     times = {name: [] for name in fns}
     for _ in range(ROUNDS):
         for name, fn in fns.items():
             times[name].append(_round(fn, sync, calls) if fn else None)
-    return {name: statistics.median(t) if t[0] is not None else None for name, t in times.items()}
+    return {name: tuple(statistics.median(x) for x in zip(*t, strict=True)) if t[0] is not None else (None, None)
+            for name, t in times.items()}
 
 
 def _row(op: str, shape: str, ours: dict, torch_fn, sync_too: bool = True, calls: int = CALLS) -> dict:
@@ -62,8 +70,10 @@ def _row(op: str, shape: str, ours: dict, torch_fn, sync_too: bool = True, calls
     for kind, sync in (("eager", True), ("issue", False)):
         if kind == "eager" and not sync_too:
             continue
-        for name, us in _in_turns(fns, sync, calls).items():
+        for name, (us, gpu_us) in _in_turns(fns, sync, calls).items():
             row[f"{name}_{kind}_us"] = us
+            if kind == "eager":
+                row[f"{name}_gpu_us"] = gpu_us
     return row
 
 
@@ -165,13 +175,14 @@ def bench_host() -> dict:
         rows.append({**r0, **{k: max(v, r1[k]) for k, v in r0.items() if k.endswith("_us") and v is not None},
                      "check": r0["check"] if r1["check"] == "ok" else r1["check"]})
     print(f"{'op':<22} {'shape':>15} {'ranks':>5} {'ours eager':>10} {'torch eager':>11} {'ratio':>6} "
-          f"{'ours issue':>10} {'(pt)':>6} {'torch issue':>11} check")
+          f"{'ours issue':>10} {'(pt)':>6} {'torch issue':>11} {'GPU: ours':>9} {'torch':>6} check")
     for r in rows:
         ratio = (r["ours_eager_us"] / r["torch_eager_us"]) if r.get("torch_eager_us") and r.get("ours_eager_us") \
             else None
         print(f"{r['op']:<22} {r['shape']:>15} {r.get('world_size', 1):>5} {_f(r.get('ours_eager_us')):>10} "
               f"{_f(r.get('torch_eager_us')):>11} {_f(ratio, 2):>6} {_f(r.get('ours_issue_us')):>10} "
-              f"{_f(r.get('ours_parallel_tensor_issue_us')):>6} {_f(r.get('torch_issue_us')):>11} {r['check']}")
+              f"{_f(r.get('ours_parallel_tensor_issue_us')):>6} {_f(r.get('torch_issue_us')):>11} "
+              f"{_f(r.get('ours_gpu_us')):>9} {_f(r.get('torch_gpu_us')):>6} {r['check']}")
     return {"world_size": 1, "rows": rows, "goal": _goal(rows)}
 
 

@@ -33,10 +33,11 @@ from .. import plan as plans
 from ._tuning import check_comm_sms, choose
 from .matmul import (
     MatmulConfig,
-    b_descriptor,
+    MatmulPlan,
     check_operands,
     default_config,
     descriptor,
+    gemm_describers,
     mainloop,
     new_output,
     operands,
@@ -165,8 +166,13 @@ class AllGatherMatmulPlan:
         self.M = M = world * self.m_local
         self.config = cfg = (config or default_config(a.dtype)).validate()
         self.b_t = transposed(b)
-        sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg, self.b_t)
         self._launch = None
+        if world == 1:  # nothing to exchange: the plan is the plain GEMM's, on tiles chosen for its shape
+            self._alone = MatmulPlan(M, self.N, self.K, self.dtype, config, self.b_t, self.op)
+            self.config = self._alone.config  # what runs (num_comm_sms has nothing to do here)
+            return
+        self._alone = None
+        sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg, self.b_t)
         if M == 0 or self.N == 0:
             return
         num_chunks = cdiv(M, cfg.block_m)
@@ -176,15 +182,14 @@ class AllGatherMatmulPlan:
         me = ctx.local_rank
         my_chunks = ((me + 1) * self.m_local - 1) // cfg.block_m - (me * self.m_local) // cfg.block_m + 1
         tiles = num_chunks * cdiv(self.N, cfg.block_n)
-        self._a_block = [cfg.block_m, cfg.block_k]
-        self._c_block = [cfg.block_m, cfg.block_n // 2]
 
         def bound(num_comm: int) -> Launcher:
             return Launcher(
                 _ag_matmul_kernel, grid(tiles, num_comm), per_call=("a_desc", "a_ptr", "b_desc", "c_desc"),
-                a_full_ptr=self._a_full, a_full_handle=gathered.handle,
-                a_full_desc=descriptor(self._a_full, self._a_block), flags_ptr=flags.view(num_chunks, torch.int32),
-                flags_handle=flags.handle, m_local=self.m_local, M=M, N=self.N, K=self.K, num_tasks=tiles,
+                descriptors=gemm_describers(cfg, self.b_t), a_full_ptr=self._a_full, a_full_handle=gathered.handle,
+                a_full_desc=descriptor(self._a_full, [cfg.block_m, cfg.block_k]),
+                flags_ptr=flags.view(num_chunks, torch.int32), flags_handle=flags.handle, m_local=self.m_local,
+                M=M, N=self.N, K=self.K, num_tasks=tiles,
                 num_comm_tasks=my_chunks if world > 1 and self.m_local > 0 else 0, num_comm=num_comm,
                 BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                 BK_COPY=min(64, next_power_of_2(self.K)), B_T=self.b_t, num_warps=cfg.num_warps,
@@ -208,12 +213,12 @@ class AllGatherMatmulPlan:
         return full.contiguous().clone() if copy else full
 
     def _run(self, launch: Launcher, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
-        cfg = self.config
-        launch(descriptor(a, self._a_block), a, b_descriptor(b, self.b_t, cfg.block_k, cfg.block_n),
-               descriptor(c, self._c_block))
+        launch(a, a, b, c)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """all_gather(a) @ b into `out` (a new (M, N) tensor by default)."""
+        if self._alone is not None:
+            return self._alone(a, b, out=out)
         try:
             a, b = operands(self.op, a, b, (self.m_local, self.K), (self.K, self.N), self.dtype, self.device,
                             self.b_t)
@@ -252,7 +257,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
 
     Collective. bf16 or fp16 with fp32 accumulation; K and N multiples of 8 (TMA rows), M/W anything.
     `num_comm_sms` communicator programs push the shard; None picks the count by timing the candidates once per
-    plan (`ops/gemm/_tuning.py`), the same on every rank.
+    plan (`ops/gemm/_tuning.py`), the same on every rank. At one rank it is `matmul` (no communicators).
     """
     return plan(a, b, num_comm_sms=num_comm_sms, config=config)(a, b, out=out)
 

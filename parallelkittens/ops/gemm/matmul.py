@@ -25,6 +25,7 @@ CUDA graphs do not. Descriptors over peers' memory are still made in the kernel,
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -235,11 +236,10 @@ class MatmulPlan:
     """a @ b for one (M, K) @ (K, N) shape and dtype: the configuration and the bound kernel. With `b_t`, b is
     the transposed view of a contiguous (N, K) matrix (``weight.t()``), read in place."""
 
-    op = "matmul"
-
-    def __init__(self, M: int, N: int, K: int, dtype: torch.dtype, config: MatmulConfig | None, b_t: bool = False):
+    def __init__(self, M: int, N: int, K: int, dtype: torch.dtype, config: MatmulConfig | None, b_t: bool = False,
+                 op: str = "matmul"):
         ctx = context()
-        self.M, self.N, self.K, self.dtype, self.device, self.b_t = M, N, K, dtype, ctx.device, b_t
+        self.M, self.N, self.K, self.dtype, self.device, self.b_t, self.op = M, N, K, dtype, ctx.device, b_t, op
         self.config = cfg = (config or matmul_config(M, N, K, dtype)).validate()
         self._launch = None
         if M * N == 0 or K == 0:
@@ -249,17 +249,14 @@ class MatmulPlan:
         per_call = ("a_desc", "b_desc", "c_desc")
         if cfg.pingpong and pingpong.usable(ctx.device, dtype) and not b_t:  # ping-pong reads B as (K, N) only
             # 4 warps per consumer, and the register budget the three roles share (168 x 384 threads = the SM's 64K)
-            self._launch = Launcher(pingpong._pingpong_kernel, grid, per_call, M=M, N=N, K=K, GROUP_M=cfg.group_m,
-                                    STAGES=cfg.num_stages, num_warps=4, maxnreg=168)
-            self._descriptors = lambda a, b, c: pingpong.descriptors(a, b, c, cfg.block_m, cfg.block_n, cfg.block_k)
+            made = pingpong.describers(dtype, cfg.block_m, cfg.block_n, cfg.block_k)
+            describe = dict(zip(per_call, made, strict=True))
+            self._launch = Launcher(pingpong._pingpong_kernel, grid, per_call, describe, M=M, N=N, K=K,
+                                    GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=4, maxnreg=168)
         else:
-            self._launch = Launcher(_matmul_kernel, grid, per_call, M=M, N=N, K=K, BM=cfg.block_m, BN=cfg.block_n,
-                                    BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, FLATTEN=cfg.flatten,
-                                    B_T=b_t, num_warps=cfg.num_warps)
-            blocks = ([cfg.block_m, cfg.block_k], [cfg.block_m, cfg.block_n // 2])
-            self._descriptors = lambda a, b, c: (descriptor(a, blocks[0]),
-                                                 b_descriptor(b, b_t, cfg.block_k, cfg.block_n),
-                                                 descriptor(c, blocks[1]))
+            self._launch = Launcher(_matmul_kernel, grid, per_call, gemm_describers(cfg, b_t), M=M, N=N, K=K,
+                                    BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+                                    STAGES=cfg.num_stages, FLATTEN=cfg.flatten, B_T=b_t, num_warps=cfg.num_warps)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """a @ b into `out` (a new tensor by default)."""
@@ -267,7 +264,7 @@ class MatmulPlan:
         c = new_output(self.op, out, (self.M, self.N), self.dtype, self.device)
         if self._launch is None:
             return c.zero_()
-        self._launch(*self._descriptors(a, b, c))
+        self._launch(a, b, c)
         return c
 
 
@@ -280,6 +277,15 @@ def transposed(b: torch.Tensor) -> bool:
 def b_descriptor(b: torch.Tensor, b_t: bool, block_k: int, block_n: int) -> TensorDescriptor:
     """B's descriptor for `mainloop`: over B in (BK, BN) blocks, or with `b_t` over its transpose in (BN, BK)."""
     return descriptor(b.t(), [block_n, block_k]) if b_t else descriptor(b, [block_k, block_n])
+
+
+def gemm_describers(cfg: MatmulConfig, b_t: bool, names: tuple[str, str, str] = ("a_desc", "b_desc", "c_desc")
+                    ) -> dict[str, Callable[[torch.Tensor], TensorDescriptor]]:
+    """How `mainloop`'s GEMMs describe A, B and the output per call, for `Launcher`'s `descriptors`: A in
+    (BM, BK) blocks, B as `b_descriptor` does, the output in (BM, BN/2) halves (`store_tile`)."""
+    return {names[0]: functools.partial(descriptor, block=[cfg.block_m, cfg.block_k]),
+            names[1]: functools.partial(b_descriptor, b_t=b_t, block_k=cfg.block_k, block_n=cfg.block_n),
+            names[2]: functools.partial(descriptor, block=[cfg.block_m, cfg.block_n // 2])}
 
 
 def operands(op: str, a: torch.Tensor, b: torch.Tensor, a_shape: tuple[int, int], b_shape: tuple[int, int],

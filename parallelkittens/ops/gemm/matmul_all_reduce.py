@@ -41,11 +41,13 @@ from .. import plan as plans
 from ._tuning import check_comm_sms, choose
 from .matmul import (
     MatmulConfig,
+    MatmulPlan,
     Tiles,
     check_operands,
     column_halves,
     default_config,
     descriptor,
+    gemm_describers,
     gemm_tile,
     new_output,
     operands,
@@ -171,8 +173,13 @@ class MatmulAllReducePlan:
         self.dtype, self.device = a.dtype, ctx.device
         (self.M, self.K), self.N = a.shape, b.shape[1]
         self.config = cfg = (config or default_config(a.dtype)).validate()
-        sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
         self._launch = None
+        if world == 1:  # nothing to exchange: the plan is the plain GEMM's, on tiles chosen for its shape
+            self._alone = MatmulPlan(self.M, self.N, self.K, self.dtype, config, False, self.op)
+            self.config = self._alone.config  # what runs (num_comm_sms has nothing to do here)
+            return
+        self._alone = None
+        sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
         if self.M * self.N == 0:
             return
         M, N = self.M, self.N
@@ -183,13 +190,13 @@ class MatmulAllReducePlan:
         buf, res = shares.view((world * slot_rows, cfg.block_n), a.dtype), results.view((M, N), a.dtype)
         ctr = heap().allocate(8 * tiles, f"{self.op}.counters")
         half = [cfg.block_m, cfg.block_n // 2]
-        self._blocks = ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], half)
         me = ctx.local_rank
         not_mine = tiles - ((me + 1) * tiles // world - me * tiles // world)
 
         def bound(num_comm: int) -> Launcher:
             return Launcher(
-                _mm_ar_kernel, grid(tiles, num_comm), per_call=("a_desc", "b_desc", "out_desc"), buf_ptr=buf,
+                _mm_ar_kernel, grid(tiles, num_comm), per_call=("a_desc", "b_desc", "out_desc"),
+                descriptors=gemm_describers(cfg, False, ("a_desc", "b_desc", "out_desc")), buf_ptr=buf,
                 buf_handle=shares.handle, buf_desc=descriptor(buf, half), res_ptr=res, res_handle=results.handle,
                 res_desc=descriptor(res, half), ctr_ptr=ctr.view(2 * tiles, torch.int32), ctr_handle=ctr.handle,
                 M=M, N=N, K=self.K, slot_rows=slot_rows, tiles=tiles, num_comm_tasks=not_mine, num_comm=num_comm,
@@ -208,10 +215,12 @@ class MatmulAllReducePlan:
         self._launch = choose(bound, num_comm_sms, run)
 
     def _run(self, launch: Launcher, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
-        launch(descriptor(a, self._blocks[0]), descriptor(b, self._blocks[1]), descriptor(c, self._blocks[2]))
+        launch(a, b, c)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The (M, N) sum over ranks of a @ b, into `out` (a new tensor by default)."""
+        if self._alone is not None:
+            return self._alone(a, b, out=out)
         try:
             a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device)
             c = new_output(self.op, out, (self.M, self.N), self.dtype, self.device)
@@ -248,7 +257,8 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     Collective. bf16, fp16 or fp32 (tf32 on a GPU); fp32 accumulation in the GEMM; other ranks' shares sent in
     the input dtype (as NCCL does) and summed in fp32 in rank order: bitwise reproducible; K/W and N multiples
     of 8. `num_comm_sms` communicator programs read the results of other ranks' tiles; None picks the count by
-    timing the candidates once per plan (`ops/gemm/_tuning.py`), the same on every rank (none at one rank).
+    timing the candidates once per plan (`ops/gemm/_tuning.py`), the same on every rank. At one rank it is
+    `matmul` (no communicators).
     """
     return plan(a, b, num_comm_sms=num_comm_sms, config=config)(a, b, out=out)
 

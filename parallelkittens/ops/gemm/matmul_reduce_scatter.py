@@ -38,12 +38,13 @@ from ...template import grid, lcsc, meeting
 from .. import plan as plans
 from .matmul import (
     MatmulConfig,
+    MatmulPlan,
     Tiles,
-    b_descriptor,
     check_operands,
     column_halves,
     default_config,
     descriptor,
+    gemm_describers,
     mainloop,
     new_output,
     operands,
@@ -158,8 +159,13 @@ class MatmulReduceScatterPlan:
         self.m_block = self.M // world
         self.config = cfg = (config or default_config(a.dtype)).validate()
         self.b_t = transposed(b)
-        sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), cfg, self.b_t)
         self._launch = None
+        if world == 1:  # nothing to exchange: the plan is the plain GEMM's, on tiles chosen for its shape
+            self._alone = MatmulPlan(self.M, self.N, self.K, self.dtype, config, self.b_t, self.op)
+            self.config = self._alone.config  # what runs (num_comm_sms has nothing to do here)
+            return
+        self._alone = None
+        sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), cfg, self.b_t)
         if self.m_block * self.N == 0:
             return
         per_owner = cdiv(self.m_block, cfg.block_m) * cdiv(self.N, cfg.block_n)
@@ -168,9 +174,9 @@ class MatmulReduceScatterPlan:
         buf = shares.view((world * slot_rows, self.N), a.dtype)
         ctr = heap().allocate(4 * per_owner, f"{self.op}.counters")
         half = [cfg.block_m, cfg.block_n // 2]
-        self._blocks = ([cfg.block_m, cfg.block_k], half)
         self._launch = Launcher(
-            _mm_rs_kernel, grid(world * per_owner, 0), per_call=("a_desc", "b_desc", "out_desc"), buf_ptr=buf,
+            _mm_rs_kernel, grid(world * per_owner, 0), per_call=("a_desc", "b_desc", "out_desc"),
+            descriptors=gemm_describers(cfg, self.b_t, ("a_desc", "b_desc", "out_desc")), buf_ptr=buf,
             buf_handle=shares.handle, buf_desc=descriptor(buf, half), ctr_ptr=ctr.view(per_owner, torch.int32),
             ctr_handle=ctr.handle, M=self.M, N=self.N, K=self.K, m_block=self.m_block, slot_rows=slot_rows,
             per_owner=per_owner, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
@@ -178,15 +184,15 @@ class MatmulReduceScatterPlan:
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's (M/W, N) row block of the sum over ranks of a @ b, into `out` (new by default)."""
+        if self._alone is not None:
+            return self._alone(a, b, out=out)
         try:
             a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device, self.b_t)
             c = new_output(self.op, out, (self.m_block, self.N), self.dtype, self.device)
         except PKError as e:
             plans.refuse(int(self._launch is not None), e)
         if self._launch is not None:
-            cfg = self.config
-            self._launch(descriptor(a, self._blocks[0]), b_descriptor(b, self.b_t, cfg.block_k, cfg.block_n),
-                         descriptor(c, self._blocks[1]))
+            self._launch(a, b, c)
         return c
 
 
@@ -217,7 +223,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     `b` may be the transposed view of a contiguous (N, K/W) matrix (``weight.t()``): it is read in place.
     Collective. bf16, fp16 or fp32 (tf32 on a GPU); fp32 accumulation in the GEMM; other ranks' shares sent in
     the input dtype (as NCCL does) and summed in fp32 in rank order: bitwise reproducible; M must divide by the
-    world size; K/W and N multiples of 8 (TMA rows).
+    world size; K/W and N multiples of 8 (TMA rows). At one rank it is `matmul`.
     """
     return plan(a, b, config=config)(a, b, out=out)
 

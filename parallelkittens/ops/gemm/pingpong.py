@@ -150,11 +150,14 @@ def layouts(dtype: torch.dtype, bm: int, bn: int, bk: int) -> tuple:
             gl.NVMMASharedLayout.get_default_for([bm, bn], gl_dtype))
 
 
-def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bm: int, bn: int, bk: int) -> tuple:
-    """The kernel's TMA descriptors over a (M, K), b (K, N) and c (M, N), made on the host (`ops.gemm.matmul`'s
-    docstring says why); the operands are contiguous, 16-byte aligned and not empty."""
-    a_layout, b_layout, c_layout = layouts(a.dtype, bm, bn, bk)
-    return _descriptor(a, [bm, bk], a_layout), _descriptor(b, [bk, bn], b_layout), _descriptor(c, [bm, bn], c_layout)
+def describers(dtype: torch.dtype, bm: int, bn: int, bk: int) -> tuple:
+    """The functions making the kernel's TMA descriptors over a (M, K), b (K, N) and c (M, N) on the host
+    (`ops.gemm.matmul`'s docstring says why), for `Launcher`'s `descriptors`; the operands are contiguous,
+    16-byte aligned and not empty."""
+    a_layout, b_layout, c_layout = layouts(dtype, bm, bn, bk)
+    return (functools.partial(_descriptor, block=[bm, bk], layout=a_layout),
+            functools.partial(_descriptor, block=[bk, bn], layout=b_layout),
+            functools.partial(_descriptor, block=[bm, bn], layout=c_layout))
 
 
 def _descriptor(t: torch.Tensor, block: list[int], layout) -> HostDescriptor:

@@ -1,0 +1,88 @@
+"""Where a small GEMM's host time goes, on a GPU machine: each layer of `pk.ops.matmul` timed alone beside
+`torch.matmul`, in µs of host time per call (median of rounds of 1000 calls, synchronised between rounds only).
+
+    python scripts/diagnose_host.py [--out DIR]
+
+Rows, from the whole call down: `pk.ops.matmul(a, b)`; the held plan with a new output and with `out=`; the
+plan's bound launcher alone (encoded descriptors, C launcher); the plan's Python with the launch taken out;
+`torch.empty` of the output; `torch.matmul` with and without `out=`. The differences say what each layer costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+ROUNDS, CALLS = 7, 1000
+
+
+def _host_us(fn) -> float:
+    times = []
+    for _ in range(ROUNDS):
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        times.append((time.perf_counter() - start) * 1e6 / CALLS)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _diagnose() -> list[dict]:
+    import parallelkittens as pk
+
+    rows = []
+    for M, N, K in ((2048, 256, 2048), (2048, 2048, 256)):
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        plan = pk.ops.matmul.plan(a, b)
+        launch = plan._launch
+        cases = {
+            "pk.ops.matmul(a, b)": lambda: pk.ops.matmul(a, b),  # noqa: B023
+            "plan(a, b)": lambda: plan(a, b),  # noqa: B023
+            "plan(a, b, out=c)": lambda: plan(a, b, out=c),  # noqa: B023
+            "launcher(a, b, c)": lambda: launch(a, b, c),  # noqa: B023
+            "torch.empty": lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16),  # noqa: B023
+            "torch.matmul(a, b)": lambda: torch.matmul(a, b),  # noqa: B023
+            "torch.matmul(a, b, out=c)": lambda: torch.matmul(a, b, out=c),  # noqa: B023
+        }
+        row = {"shape": f"{M}x{N}x{K}"}
+        for name, fn in cases.items():
+            row[name] = _host_us(fn)
+        plan._launch = lambda *values: None
+        row["plan(a, b, out=c), no launch"] = _host_us(lambda: plan(a, b, out=c))  # noqa: B023
+        plan._launch = launch
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="folder for diagnose_host.json")
+    args = parser.parse_args()
+    import parallelkittens as pk
+
+    rows = pk.spawn(_diagnose, 1, backend="cuda")[0]
+    for row in rows:
+        print(f"== {row['shape']} (host µs per call)")
+        for name, us in row.items():
+            if name != "shape":
+                print(f"  {name:<34} {us:6.2f}")
+    if args.out:
+        import pathlib
+
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+        (pathlib.Path(args.out) / "diagnose_host.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
