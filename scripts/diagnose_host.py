@@ -1,5 +1,5 @@
 """Where a small GEMM's host time goes, on a GPU machine: each layer of `pk.ops.matmul` timed alone beside
-`torch.matmul`, in µs of host time per call (median of rounds of 1000 calls, synchronised between rounds only).
+`torch.matmul`, in µs of host time per call (median of rounds of 1000 calls, `bench.collectives.host_us`).
 
     python scripts/diagnose_host.py [--out DIR]
 
@@ -14,25 +14,16 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
+
+from parallelkittens.bench.collectives import host_us
 
 ROUNDS, CALLS = 7, 1000
 
 
 def _host_us(fn) -> float:
-    times = []
-    for _ in range(ROUNDS):
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        times.append((time.perf_counter() - start) * 1e6 / CALLS)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+    return statistics.median(host_us(fn, CALLS) for _ in range(ROUNDS))
 
 
 def _diagnose() -> list[dict]:

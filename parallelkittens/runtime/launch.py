@@ -96,12 +96,12 @@ class Launcher:
         if compiled is None or not self._direct(values):
             self._through_triton(values)
             return
-        stream = driver.active.get_current_stream(self._device)
         args = self._args
         for slot, value, describe in zip(self._slots, values, self._describe, strict=True):
             args[slot] = value if describe is None else describe(value)
         x, y, z = self._grid3
-        compiled.run(x, y, z, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        compiled.run(x, y, z, self._stream(self._device), compiled.function, compiled.packed_metadata, None, None,
+                     None, *args)
 
     def _through_triton(self, values: Sequence[Any]) -> None:
         named = dict(self.fixed)
