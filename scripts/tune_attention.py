@@ -2,12 +2,17 @@
 
     python scripts/tune_attention.py [N ...]      (default N = 8192; B 16, H 16, D 128, bf16)
 
-Prints forward and backward TFLOP/s of each (BLOCK_M, BLOCK_N, warps, stages), causal and not. The backward's
-dK/dV and dQ kernels are timed separately (their tiles are chosen separately).
+Prints forward and backward TFLOP/s of each (BLOCK_M, BLOCK_N, warps, stages), causal and not, and the best of
+each kernel. The backward's dK/dV and dQ kernels are timed separately (their tiles are chosen separately:
+`flash._tiles`' "bwd" and "dq"). TUNE_BEFORE=module times another version of the kernels too (a copy of
+flash.py kept under another name, with its own tiles and without the custom-op registrations), for an A/B of a
+kernel change in one run.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 
 import torch
@@ -16,53 +21,79 @@ import triton
 import parallelkittens as pk
 from parallelkittens.ops.attention import flash
 
-FWD = [(128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)]
-BWD = [(64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2),
-       (128, 32, 4, 2), (128, 128, 8, 2)]
+# (BLOCK_M, BLOCK_N, warps, stages). Also tried on an H200 (2026-12-06) and dropped: starting the next key tile's
+# scores before this tile's softmax (FA3's overlap, by hand) was 1-4% slower; (128, 64, 8, 2) 10-15% slower.
+FWD = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)]
+# dK/dV holds BLOCK_N keys and streams BLOCK_M query rows; dQ holds BLOCK_M rows and streams BLOCK_N keys
+BWD = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 2), (128, 64, 8, 2),
+       (128, 64, 8, 3), (128, 32, 4, 3)]
 
 
 def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
+def _fwd_ms(module, shapes, causal: bool, tiles: dict | None, q, k, v) -> float:
+    plan = module.AttentionPlan(*shapes, q.dtype, causal, q.shape[-1] ** -0.5, tiles=tiles)
+    return _ms(lambda: plan.forward(q, k, v))
+
+
+def _bwd_ms(module, shapes, causal: bool, tiles: dict | None, q, k, v, do) -> tuple[float, float]:
+    """(dK/dV ms, dQ ms) of `module`'s kernels with `tiles`."""
+    plan = module.AttentionPlan(*shapes, q.dtype, causal, q.shape[-1] ** -0.5, tiles=tiles)
+    out, lse = plan.forward(q, k, v)
+    delta = plan.delta(out, do)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    args = (q, k, v, do, lse, delta, dq, dk, dv)
+    return _ms(lambda: plan._dkdv[False](*args)), _ms(lambda: plan._dq[False](*args))
+
+
 def main() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
     pk.init()
     sizes = [int(a) for a in sys.argv[1:]] or [8192]
     B, H, D = 16, 16, 128
+    # TUNE_BEFORE=module: also time another version of the kernels (its own tiles), for an A/B in one run
+    before = importlib.import_module(os.environ["TUNE_BEFORE"]) if os.environ.get("TUNE_BEFORE") else None
     for n in sizes:
         q, k, v, do = (torch.randn(B, H, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        shapes = (q.shape, k.shape)
         for causal in (False, True):
             flops = 4 * B * H * n * n * D / (2 if causal else 1)
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            from torch.nn.functional import scaled_dot_product_attention as sdpa
-
+            say = f"N={n} causal={causal}"
             for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
                 with sdpa_kernel(backend):
                     ms = _ms(lambda: sdpa(q, k, v, is_causal=causal))  # noqa: B023
-                print(f"N={n} causal={causal} sdpa {name} fwd {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+                print(f"{say} sdpa {name} fwd {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+            if before is not None:
+                ms = _fwd_ms(before, shapes, causal, None, q, k, v)
+                ms_kv, ms_q = _bwd_ms(before, shapes, causal, None, q, k, v, do)
+                print(f"{say} before fwd {flops / ms / 1e9:.0f} dkdv {2.0 * flops / ms_kv / 1e9:.0f} "
+                      f"dq {1.5 * flops / ms_q / 1e9:.0f} bwd {2.5 * flops / (ms_kv + ms_q) / 1e9:.0f} TFLOP/s")
+            best = {}
             for tiles in FWD:
                 try:
-                    plan = flash.AttentionPlan(q.shape, k.shape, q.dtype, causal, D ** -0.5,
-                                               tiles={"fwd": tiles, "bwd": BWD[0]})
-                    ms = _ms(lambda: plan.forward(q, k, v))  # noqa: B023
-                    print(f"N={n} causal={causal} fwd {tiles} {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+                    ms = _fwd_ms(flash, shapes, causal, {"fwd": tiles, "bwd": BWD[0]}, q, k, v)
+                    print(f"{say} fwd {tiles} {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+                    best["fwd"] = min(best.get("fwd", (ms, tiles)), (ms, tiles))
                 except Exception as e:  # noqa: BLE001 - a configuration that does not fit: say so, go on
-                    print(f"N={n} causal={causal} fwd {tiles} failed: {str(e).splitlines()[0][:100]}")
-            out, lse = flash.AttentionPlan(q.shape, k.shape, q.dtype, causal, D ** -0.5).forward(q, k, v)
+                    print(f"{say} fwd {tiles} failed: {str(e).splitlines()[0][:100]}")
             for tiles in BWD:
                 try:
-                    plan = flash.AttentionPlan(q.shape, k.shape, q.dtype, causal, D ** -0.5,
-                                               tiles={"fwd": FWD[0], "bwd": tiles})
-                    delta = plan.delta(out, do)
-                    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-                    args = (q, k, v, do, lse, delta, dq, dk, dv)
-                    ms_kv = _ms(lambda: plan._dkdv[False](*args))  # noqa: B023
-                    ms_q = _ms(lambda: plan._dq[False](*args))  # noqa: B023
+                    ms_kv, ms_q = _bwd_ms(flash, shapes, causal, {"fwd": FWD[0], "bwd": tiles}, q, k, v, do)
                     # dK/dV does 4 of the backward's 5 products' worth (2 + 2 of 2.5 x forward), dQ 3 of them
-                    print(f"N={n} causal={causal} bwd {tiles} dkdv {2.0 * flops / ms_kv / 1e9:.0f} "
+                    print(f"{say} bwd {tiles} dkdv {2.0 * flops / ms_kv / 1e9:.0f} "
                           f"dq {1.5 * flops / ms_q / 1e9:.0f} TFLOP/s (ms {ms_kv:.2f} + {ms_q:.2f})", flush=True)
+                    best["dkdv"] = min(best.get("dkdv", (ms_kv, tiles)), (ms_kv, tiles))
+                    best["dq"] = min(best.get("dq", (ms_q, tiles)), (ms_q, tiles))
                 except Exception as e:  # noqa: BLE001
-                    print(f"N={n} causal={causal} bwd {tiles} failed: {str(e).splitlines()[0][:100]}")
+                    print(f"{say} bwd {tiles} failed: {str(e).splitlines()[0][:100]}")
+            if {"dkdv", "dq"} <= best.keys():
+                bwd_ms = best["dkdv"][0] + best["dq"][0]
+                print(f"{say} best: fwd {best.get('fwd', (0, None))[1]} dkdv {best['dkdv'][1]} dq {best['dq'][1]}: "
+                      f"bwd {2.5 * flops / bwd_ms / 1e9:.0f} TFLOP/s", flush=True)
 
 
 if __name__ == "__main__":

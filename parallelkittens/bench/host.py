@@ -1,6 +1,7 @@
 """Host time per call, ours beside torch's in one run: where the host, not the GPU, sets the pace.
 
-Two numbers per op and implementation, each the median of five rounds taken in turns with the other side:
+Two numbers per op and implementation, each the median of five rounds taken in turns with the other side, after
+one untimed round of each (the first case timed in a run was about 7 µs slower for every side):
 
 * `eager_us`: 200 calls back to back, then `torch.cuda.synchronize()`, divided by 200: what a user's loop sees;
 * `issue_us`: the same calls without the final synchronise: the time to issue one call (`host_us` in
@@ -57,6 +58,9 @@ def _in_turns(fns: dict, sync: bool, calls: int = CALLS) -> dict:
     {name: (host µs, GPU µs)}, the GPU's from the first call's start to the last one's end (events): near the
     host's figure where the host sets the pace, above it where the GPU does."""
     times = {name: [] for name in fns}
+    for fn in fns.values():  # one round untimed: the first timed case of a run was ~7 µs slower for every side
+        if fn:
+            _round(fn, True, calls)
     for _ in range(ROUNDS):
         for name, fn in fns.items():
             times[name].append(_round(fn, sync, calls) if fn else None)

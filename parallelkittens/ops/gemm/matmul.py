@@ -318,8 +318,9 @@ def new_output(op: str, out: torch.Tensor | None, shape: tuple[int, int], dtype:
 
 def plan(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> MatmulPlan:
     """The plan for a @ b with operands like `a` and `b` (not collective)."""
+    # b's strides tell a transposed view (read in place) from a contiguous matrix, more cheaply than `transposed`
     key = ("matmul", getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), config,
-           transposed(b))
+           b.stride() if isinstance(b, torch.Tensor) else None)
     found = plans.find(key)
     if found is not None:
         return found
@@ -330,7 +331,7 @@ def plan(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -
             config.validate()
         return ""
 
-    return plans.get(key, lambda: MatmulPlan(a.shape[0], b.shape[1], a.shape[1], a.dtype, config, key[-1]), check,
+    return plans.get(key, lambda: MatmulPlan(a.shape[0], b.shape[1], a.shape[1], a.dtype, config, transposed(b)), check,
                      collective=False)
 
 
