@@ -81,6 +81,16 @@ def _visible_end(q_last_pos, n_k, k_seg_len, k_seg0, k_seg1, CAUSAL: tl.constexp
 
 
 @triton.jit
+def key_bounds(q_pos, n_k, k_seg_len, k_seg0, k_seg1, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(whole, end) of a query tile at positions `q_pos`: key indices [0, whole) are whole tiles every query of
+    the tile sees (no mask needed); [whole, end) hold the diagonal and the ragged end; keys from `end` on are
+    seen by none."""
+    end = _visible_end(tl.max(q_pos, 0), n_k, k_seg_len, k_seg0, k_seg1, CAUSAL)
+    whole = tl.minimum(_visible_end(tl.min(q_pos, 0), n_k, k_seg_len, k_seg0, k_seg1, CAUSAL), end)
+    return (whole // BLOCK_N) * BLOCK_N, end
+
+
+@triton.jit
 def attend(q, k_ptr, v_ptr, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0, k_seg1, qk_scale,
            CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The unnormalised attention of one query tile `q` (BLOCK_M, HEAD_DIM) over keys and values at `k_ptr`,
@@ -91,9 +101,7 @@ def attend(q, k_ptr, v_ptr, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0,
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    end = _visible_end(tl.max(q_pos, 0), n_k, k_seg_len, k_seg0, k_seg1, CAUSAL)
-    whole = tl.minimum(_visible_end(tl.min(q_pos, 0), n_k, k_seg_len, k_seg0, k_seg1, CAUSAL), end)
-    whole = (whole // BLOCK_N) * BLOCK_N  # whole tiles of keys that every query of the tile sees
+    whole, end = key_bounds(q_pos, n_k, k_seg_len, k_seg0, k_seg1, CAUSAL, BLOCK_N)
     acc, m, denom = _attend_keys(acc, m, denom, q, k_ptr, v_ptr, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0,
                                  k_seg1, qk_scale, 0, whole, False, CAUSAL, BLOCK_N, HEAD_DIM)
     return _attend_keys(acc, m, denom, q, k_ptr, v_ptr, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0, k_seg1,
@@ -386,9 +394,7 @@ def dq_task(B, C, tile, bh):
     k_base = B.k_ptr + b * B.stride_kb + kv_h * B.stride_kh
     v_base = B.v_ptr + b * B.stride_kb + kv_h * B.stride_kh
     dq = tl.zeros([C.BLOCK_M, C.HEAD_DIM], tl.float32)
-    end = _visible_end(tl.max(q_pos, 0), B.N_K, B.k_seg_len, B.k_seg0, B.k_seg1, C.CAUSAL)
-    whole = tl.minimum(_visible_end(tl.min(q_pos, 0), B.N_K, B.k_seg_len, B.k_seg0, B.k_seg1, C.CAUSAL), end)
-    whole = (whole // C.BLOCK_N) * C.BLOCK_N
+    whole, end = key_bounds(q_pos, B.N_K, B.k_seg_len, B.k_seg0, B.k_seg1, C.CAUSAL, C.BLOCK_N)
     dq = _dq_keys(dq, q, do, lse, delta, q_pos, k_base, v_base, B, C, 0, whole, False)
     dq = _dq_keys(dq, q, do, lse, delta, q_pos, k_base, v_base, B, C, whole, end, True)
     dq = dq * B.sm_scale
@@ -481,7 +487,7 @@ def _tiles(device: torch.device, head_dim: int, dtype: torch.dtype) -> dict:
     if head_dim <= 64:  # not re-tuned since 2026-12-04
         return {"fwd": (128, 64, 4, 3), "bwd": (64, 64, 4, 2)}
     # measured on an H200, 2026-12-06 (scripts/tune_attention.py, B 16, H 16, N 4096 and 8192, D 128, bf16): the
-    # forward's 128-key tiles gain 2-4% under the causal mask at 4K and tie elsewhere; dQ on its own tiles 8-15%
+    # forward's 128-key tiles gain 2-4% under the causal mask at 4K and tie elsewhere; dQ on its own tiles 8-11%
     return {"fwd": (128, 128, 8, 3), "bwd": (64, 64, 4, 2), "dq": (128, 64, 8, 3)}
 
 
