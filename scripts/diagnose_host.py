@@ -1,5 +1,6 @@
-"""Where a small GEMM's host time goes, on a GPU machine: each layer of `pk.ops.matmul` timed alone beside
-`torch.matmul`, in µs of host time per call (median of rounds of 1000 calls, `bench.collectives.host_us`).
+"""Where a small op's host time goes, on a GPU machine: each layer of `pk.ops.matmul` timed alone beside
+`torch.matmul`, and of `pk.ops.all_gather` at 1 and 2 ranks, in µs of host time per call (median of rounds of
+1000 calls, 50 at 2 ranks, `bench.collectives.host_us`).
 
     python scripts/diagnose_host.py [--out DIR]
 
@@ -55,6 +56,37 @@ def _diagnose() -> list[dict]:
     return rows
 
 
+def _diagnose_collective() -> list[dict]:
+    """all_gather of 4 KB on a plain tensor, layer by layer: at one rank, or at 2 sharing the GPU (where each call
+    waits for the GPU to switch between the ranks' processes, so fewer calls per round)."""
+    import parallelkittens as pk
+
+    ctx = pk.context()
+    calls = CALLS if ctx.local_world_size == 1 else 50
+    x = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(2048 * ctx.local_world_size, device="cuda", dtype=torch.bfloat16)
+    plan = pk.ops.all_gather.plan(x)
+    pull = plan._pull
+    src, handle = plan._staging.tensor if plan._staging else x, plan._staging.handle if plan._staging else \
+        plan._any_handle
+    cases = {
+        "pk.ops.all_gather(x)": lambda: pk.ops.all_gather(x),
+        "plan(x)": lambda: plan(x),
+        "plan(x, out=o)": lambda: plan(x, out=out),
+        "launcher(x, src, handle, o)": lambda: pull(x, src, handle, out),
+        "torch.empty": lambda: torch.empty(2048 * ctx.local_world_size, device="cuda", dtype=torch.bfloat16),
+    }
+    row = {"shape": f"all_gather 4096 B, {ctx.local_world_size} rank(s), {ctx.backend}"}
+    for name, fn in cases.items():
+        row[name] = statistics.median(host_us(fn, calls) for _ in range(ROUNDS))
+    plan._pull = lambda *values: None
+    row["plan(x, out=o), no launch"] = statistics.median(host_us(lambda: plan(x, out=out), calls)
+                                                         for _ in range(ROUNDS))
+    plan._pull = pull
+    pk.sync()
+    return [row]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for diagnose_host.json")
@@ -62,6 +94,9 @@ def main() -> int:
     import parallelkittens as pk
 
     rows = pk.spawn(_diagnose, 1, backend="cuda")[0]
+    rows += pk.spawn(_diagnose_collective, 1, backend="cuda")[0]
+    rows += max(pk.spawn(_diagnose_collective, 2, backend="cuda-shared"),
+                key=lambda ranks: ranks[0]["pk.ops.all_gather(x)"])  # the slower rank's
     for row in rows:
         print(f"== {row['shape']} (host µs per call)")
         for name, us in row.items():

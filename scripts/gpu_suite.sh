@@ -45,8 +45,8 @@ if [ "$WHAT" != tests ]; then
   stage bench ${BENCH_TIMEOUT:-540} bash -c 'for name in $BENCH; do
     echo "== bench $name"; $PY -m parallelkittens bench "$name" --out "'"$OUT"'/results"; done'
   tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"  # few files may come back
-  # DIAG=1: also where the collectives' time goes (host vs device) and the pull kernel's configurations
-  [ "${DIAG:-0}" = 1 ] && stage diag 150 $PY scripts/diagnose_collectives.py
+  # DIAG=1: also where a small GEMM's host time goes, layer by layer (scripts/diagnose_host.py)
+  [ "${DIAG:-0}" = 1 ] && stage diag 150 $PY scripts/diagnose_host.py --out "$OUT"
 fi
 if [ "$WHAT" != bench ]; then
   # -v: a run cut off by the stage's timeout still shows which tests passed and which one it was in

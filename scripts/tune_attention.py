@@ -6,7 +6,8 @@ Prints forward and backward TFLOP/s of each (BLOCK_M, BLOCK_N, warps, stages), c
 each kernel. The backward's dK/dV and dQ kernels are timed separately (their tiles are chosen separately:
 `flash._tiles`' "bwd" and "dq"). TUNE_BEFORE=module times another version of the kernels too (a copy of
 flash.py kept under another name, with its own tiles and without the custom-op registrations), for an A/B of a
-kernel change in one run.
+kernel change in one run. TUNE_FWD and TUNE_BWD ("128,128,8,3;64,64,4,2", or empty for none) replace the lists
+of configurations timed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ FWD = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64
 # dK/dV holds BLOCK_N keys and streams BLOCK_M query rows; dQ holds BLOCK_M rows and streams BLOCK_N keys
 BWD = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 2), (128, 64, 8, 2),
        (128, 64, 8, 3), (128, 32, 4, 3)]
+
+
+def _configs(variable: str, default: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The configurations named in `variable` ("128,128,8,3;64,64,4,2"; empty: none), else `default`."""
+    text = os.environ.get(variable)
+    if text is None:
+        return default
+    return [tuple(int(x) for x in c.split(",")) for c in text.split(";") if c.strip()]
 
 
 def _ms(fn) -> float:
@@ -54,6 +63,7 @@ def main() -> None:
 
     pk.init()
     sizes = [int(a) for a in sys.argv[1:]] or [8192]
+    fwd_configs, bwd_configs = _configs("TUNE_FWD", FWD), _configs("TUNE_BWD", BWD)
     B, H, D = 16, 16, 128
     # TUNE_BEFORE=module: also time another version of the kernels (its own tiles), for an A/B in one run
     before = importlib.import_module(os.environ["TUNE_BEFORE"]) if os.environ.get("TUNE_BEFORE") else None
@@ -73,14 +83,14 @@ def main() -> None:
                 print(f"{say} before fwd {flops / ms / 1e9:.0f} dkdv {2.0 * flops / ms_kv / 1e9:.0f} "
                       f"dq {1.5 * flops / ms_q / 1e9:.0f} bwd {2.5 * flops / (ms_kv + ms_q) / 1e9:.0f} TFLOP/s")
             best = {}
-            for tiles in FWD:
+            for tiles in fwd_configs:
                 try:
                     ms = _fwd_ms(flash, shapes, causal, {"fwd": tiles, "bwd": BWD[0]}, q, k, v)
                     print(f"{say} fwd {tiles} {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
                     best["fwd"] = min(best.get("fwd", (ms, tiles)), (ms, tiles))
                 except Exception as e:  # noqa: BLE001 - a configuration that does not fit: say so, go on
                     print(f"{say} fwd {tiles} failed: {str(e).splitlines()[0][:100]}")
-            for tiles in BWD:
+            for tiles in bwd_configs:
                 try:
                     ms_kv, ms_q = _bwd_ms(flash, shapes, causal, {"fwd": FWD[0], "bwd": tiles}, q, k, v, do)
                     # dK/dV does 4 of the backward's 5 products' worth (2 + 2 of 2.5 x forward), dQ 3 of them

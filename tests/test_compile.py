@@ -9,6 +9,7 @@ import sys
 import pytest
 
 SIGNALLING = ("signal_wait", "signal_all", "barrier_all", "lcsc_example", "collective_pull", "collective_pull_copy",
+              "collective_two_shot_staged", "collective_pull_in_place",
               "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 
@@ -42,7 +43,7 @@ def test_every_wait_is_bounded(hot, kernel):
     assert "globaltimer" in hot[kernel]
 
 
-@pytest.mark.parametrize("kernel", ["collective_pull", "collective_pull_copy"])
+@pytest.mark.parametrize("kernel", ["collective_pull", "collective_pull_copy", "collective_two_shot_staged"])
 def test_collectives_read_peers_16_bytes_at_a_time(hot, kernel):
     assert "vector_loads" in hot[kernel], hot[kernel]
 

@@ -58,7 +58,7 @@ def _second_call_is_direct(mp) -> list:
     launcher(x)
     launcher(x)
     first = {k: v for k, v in kernel.slow[0][1].items() if k != "a"}
-    calls = [tuple("x" if v is x else v for v in call) for call in kernel.compiled.calls]
+    calls = [tuple("x" if v == x.data_ptr() else v for v in call) for call in kernel.compiled.calls]
     return [len(kernel.slow), first, calls]
 
 
@@ -192,6 +192,50 @@ def test_descriptors_are_encoded_once_per_tensor_and_passed_to_tritons_c_launche
         else:  # (grid, stream, function, coop, pdl, metadata, hooks x3, scratch x2, annotations, signature, args)
             prefix = (3, 1, 1, 5, "fn", False, True, "meta", None, None, None, None, None, "annotations", b"sig")
             assert calls == [prefix + (x_args,)] * 2 + [prefix + (y_args,)]
+
+
+class _PlainKernel(_Kernel):
+    arg_names = ["a", "n", "w", "BLOCK"]
+
+
+def _plain_launch(mp, triton_36: bool) -> list:
+    """A kernel without descriptors, a per-call tensor and a fixed one, launched three times with stand-ins for
+    the compiled kernel and its C launcher (Triton 3.6's layout or 3.9's)."""
+    mp.setattr(launching, "TRITON", "3.6" if triton_36 else "3.9")
+    c_calls = []
+    kernel = _PlainKernel()
+    compiled = kernel.compiled
+    compiled.metadata = types.SimpleNamespace(tensordesc_meta=None)
+    run = types.SimpleNamespace(global_scratch_size=0, profile_scratch_size=0, launch_cooperative_grid=False,
+                                launch_pdl=True)
+    utils = None
+    if triton_36:
+        launcher = lambda *args: c_calls.append(args[13:])  # noqa: E731  (past grid, stream, ..., hooks)
+
+        def wrapper(*args):
+            return launcher(*args)
+        run.launch = wrapper
+    else:
+        run.kernel_signature, run.arg_annotations = b"sig", "annotations"
+        utils = types.SimpleNamespace(launch=lambda *args: c_calls.append(tuple(args[-1])))
+    compiled.run = run
+    mp.setattr(launching, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_stream=lambda device: 5, utils=utils)))
+    w = torch.zeros(8)
+    bound = launching.Launcher(kernel, (3,), per_call=("a",), n=9, w=w, BLOCK=64)
+    bound._direct_ok = True
+    x, y = torch.zeros(4), torch.zeros(6)
+    for t in (x, x, y):
+        bound(t)
+    names = {x.data_ptr(): "x", y.data_ptr(): "y", w.data_ptr(): "w"}
+    return [len(kernel.slow), [[names.get(a, a) for a in call] for call in c_calls]]
+
+
+def test_a_kernel_without_descriptors_goes_to_the_c_launcher_with_tensors_as_addresses():
+    # an address needs no driver call in the launcher; a tensor costs one (cuPointerGetAttribute) at every launch
+    for triton_36 in (True, False):
+        slow, calls = pk.spawn(_in_a_rank, 1, "_plain_launch", triton_36)[0]
+        assert slow == 1 and calls == [["x", 9, "w", 64], ["y", 9, "w", 64]], (triton_36, calls)
 
 
 def test_under_a_triton_release_not_known_descriptors_are_left_to_triton():

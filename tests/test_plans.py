@@ -67,6 +67,67 @@ def test_a_second_call_builds_agrees_tunes_and_allocates_nothing(world, monkeypa
         assert not got["differ"], (rank, got["differ"])
 
 
+def _one_launch_per_call() -> dict:
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    from parallelkittens.runtime import launch
+
+    class TorchOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    me = pk.context().local_rank
+    seed = shared_seed()
+    small, large = rank_data((100,), torch.float32, seed, me), rank_data((3000, 2), torch.float32, seed, 10 + me)
+    pt = pk.empty((3000, 2), torch.float32, name="one_launch")
+    pt.local.copy_(large)
+    pk.sync()
+    calls = {"all_reduce one-shot": lambda: pk.ops.all_reduce(small),
+             "all_reduce two-shot": lambda: pk.ops.all_reduce(large),  # 24 KB > PK_ONE_SHOT_BYTES
+             "all_reduce out=x": lambda: pk.ops.all_reduce(large, out=large),
+             "all_reduce of a parallel tensor": lambda: pk.ops.all_reduce(pt),
+             "all_gather": lambda: pk.ops.all_gather(large, 1), "reduce_scatter": lambda: pk.ops.reduce_scatter(large),
+             "all_to_all": lambda: pk.ops.all_to_all(large, 0, 1)}
+    counted, original = [], launch.Launcher.__call__
+
+    def counting(self, *values):
+        counted.append(self.kernel.__name__)
+        with _disable_current_modes():
+            original(self, *values)
+
+    got = {}
+    for name, call in calls.items():
+        call()  # builds the plan
+        counted.clear()
+        launch.Launcher.__call__ = counting
+        try:
+            with TorchOps() as ops:
+                call()
+        finally:
+            launch.Launcher.__call__ = original
+        got[name] = (list(counted), ops.seen)
+    pk.sync()
+    pt.free()
+    return got
+
+
+@pytest.mark.parametrize("world", worlds("2"))
+def test_a_collective_call_is_one_launch(world, monkeypatch):
+    # a plain tensor's copy into symmetric memory, and a two-shot all_reduce's two phases, are inside the kernel
+    monkeypatch.setenv("PK_ONE_SHOT_BYTES", "4096")
+    for rank, got in enumerate(pk.spawn(_one_launch_per_call, world, timeout=600)):
+        for name, (launched, ops) in got.items():
+            assert launched == ["_pull_kernel"], (rank, name, launched)
+            allocating = [] if name in ("all_reduce out=x", "all_reduce of a parallel tensor") else \
+                ["aten.empty.memory_format"]
+            assert ops == allocating, (rank, name, ops)
+
+
 def _fused_alone() -> list:
     ctx = pk.context()
     seed = shared_seed()

@@ -12,12 +12,14 @@
 
 FLOPs: the forward is 4·B·H·N²·D (half of it causal), the backward 2.5 times the forward (its five products
 against two). Each case is checked against a float64-accumulated reference on a slice before it is timed.
+`bench attention` times every side three times in turns and keeps each one's median.
 Sequences whose forward would take over about a second per GPU are left out unless PK_BENCH_FULL=1.
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 import sys
 
 import torch
@@ -31,6 +33,7 @@ RING_SEQS = [12288, 24576, 49152, 98304, 196608, 393216]
 ULYSSES_HEADS = 128
 COMM_SMS = [1, 2, 4, 8, 16]
 MAX_FWD_FLOP = 5e14  # per GPU; about a second of forward
+ROUNDS = 3  # `bench attention`: each side timed this many times, in turns
 
 
 def _time_ms(fn, target_ms: float = 200.0) -> float:
@@ -117,17 +120,28 @@ def _kernel_case(n: int, causal: bool) -> dict:
     impls = {"ours": lambda q, k, v: attention(q, k, v, causal=causal)}
     impls.update({name: _sdpa(backend, causal) for name, backend in _sdpa_backends().items()})
     flops = _flops(B, H, n, causal)
-    row = {"N": n, "causal": causal}
+    row = {"N": n, "causal": causal, "rounds": ROUNDS}
+    timed = {}  # (name, "fwd" | "bwd") -> the call to time
     for name, fn in impls.items():
         try:
             row[f"{name}_check"] = _check(name, fn, q, k, v, causal)
-            row[f"{name}_fwd_ms"] = _time_ms(lambda fn=fn: fn(q, k, v))
-            row[f"{name}_bwd_ms"] = _time_ms(_backward_of(fn, q, k, v))
+            timed[name, "fwd"] = lambda fn=fn: fn(q, k, v)
+            timed[name, "bwd"] = _backward_of(fn, q, k, v)
+            timed[name, "fwd"]()
+            timed[name, "bwd"]()
         except RuntimeError as e:  # a backend that cannot run this shape or GPU
             row[f"{name}_check"] = f"unavailable: {str(e).splitlines()[0][:120]}"
-            continue
-        row[f"{name}_fwd_tflops"] = flops / row[f"{name}_fwd_ms"] / 1e9
-        row[f"{name}_bwd_tflops"] = 2.5 * flops / row[f"{name}_bwd_ms"] / 1e9
+            timed.pop((name, "fwd"), None)
+            timed.pop((name, "bwd"), None)
+    # rounds in turns, each side's median: a change of clocks during the run weighs on every side alike (cuDNN's
+    # 4K forward alone moved between 547 and 616 TFLOP/s from run to run when each side was timed once)
+    times = {key: [] for key in timed}
+    for _ in range(ROUNDS):
+        for key, call in timed.items():
+            times[key].append(_time_ms(call))
+    for (name, d), ms in times.items():
+        row[f"{name}_{d}_ms"] = statistics.median(ms)
+        row[f"{name}_{d}_tflops"] = (2.5 if d == "bwd" else 1) * flops / row[f"{name}_{d}_ms"] / 1e9
     best = {d: max((row[f"{b}_{d}_tflops"] for b in _sdpa_backends() if f"{b}_{d}_tflops" in row), default=None)
             for d in ("fwd", "bwd")}
     for d, goal in (("fwd", 0.8), ("bwd", 0.7)):

@@ -5,7 +5,9 @@ between calls of one signature (sizes, block sizes, workspace pointers, counts).
 naming every kernel parameter: the fixed ones by value, the ones that change at each call (input and output
 tensors) in `per_call`. The first call goes through Triton, which binds and specialises the arguments, compiles
 if needed and returns the compiled kernel; later calls put the new values into the argument list made at the
-start and call that kernel's launcher directly, skipping Triton's binding, specialisation and cache lookup.
+start and call that kernel's C launcher directly, skipping Triton's binding, specialisation, cache lookup and
+Python launcher. Tensors go in as their addresses: given a tensor, the C launcher asks the driver about the
+pointer (`cuPointerGetAttribute`) at every launch, once per tensor, and a collective passes eleven.
 
 Host tensor descriptors (TMA maps) are the other per-call cost: Triton's launcher encodes each one at every call
 (a driver call, about 1.5 µs on an H200's host), and a GEMM passes three to five. A parameter named in
@@ -21,7 +23,8 @@ checked for it (16-byte aligned, as the first call's were, or Triton's path is t
 must be listed in the kernel's ``do_not_specialize``. PK_FAST_LAUNCH=0 turns the direct path off; it is never
 taken under the interpreter, or while a Triton launch hook (a profiler) is installed. The C launcher's arguments
 differ between Triton releases (3.6 and 3.9 are known here: `KNOWN_LAUNCHERS`); under another release, or for a
-kernel that needs global scratch, descriptors are encoded by Triton's launcher as before.
+kernel that needs global scratch or takes tuples, the compiled kernel's Python launcher is called (and encodes
+descriptors at every call) instead.
 
 Measured on an H200 with Triton 3.6 (2026-12-02): Triton's own launch path took 54-60 µs of host time per 4 KB
 collective, the direct one 35-41 µs, before plans took the rest of the per-call set-up away.
@@ -73,7 +76,7 @@ class Launcher:
                             f"call {sorted(set(self.descriptors) - set(per_call))}")
         self.fixed = named
         self.per_call = tuple(per_call)
-        self._args = [named.get(n) for n in names]
+        self._args = [_address(named.get(n)) for n in names]  # the direct path's: tensors as addresses
         self._slots = [names.index(n) for n in per_call]
         self._describe = [self.descriptors.get(n) for n in per_call]
         self._grid3 = (self.grid + (1, 1))[:3]
@@ -98,7 +101,7 @@ class Launcher:
             return
         args = self._args
         for slot, value, describe in zip(self._slots, values, self._describe, strict=True):
-            args[slot] = value if describe is None else describe(value)
+            args[slot] = _address(value) if describe is None else describe(value)
         x, y, z = self._grid3
         compiled.run(x, y, z, self._stream(self._device), compiled.function, compiled.packed_metadata, None, None,
                      None, *args)
@@ -135,8 +138,8 @@ class _Place(NamedTuple):
 
 
 class _Encoded:
-    """A compiled kernel's C launcher, called with its host descriptors encoded once per (address, shape) rather
-    than at every call, as Triton's Python launcher does.
+    """A compiled kernel's C launcher, called with its tensors as addresses and its host descriptors encoded once
+    per (address, shape) rather than at every call, as Triton's Python launcher does.
 
     The C launcher takes the kernel's arguments with each descriptor spread into (encoded map, shape..., strides
     ...): `template` is that list as the first call made it, and a call overwrites the per-call entries in place.
@@ -150,18 +153,18 @@ class _Encoded:
     @classmethod
     def make(cls, compiled: Any, args: list[Any], slots: list[int], describe: list[Any]) -> _Encoded | None:
         """The encoded launcher of `compiled`, first called with `args`; None under a Triton release whose
-        launcher is not known here, or for a kernel that needs what this path does not give (global scratch)."""
+        launcher is not known here, or for a kernel that needs what this path does not give (global scratch,
+        tuples among its arguments)."""
         layout = KNOWN_LAUNCHERS.get(TRITON)
-        if layout is None or all(d is None for d in describe):
-            return None
         run = compiled.run
-        metas = getattr(compiled.metadata, "tensordesc_meta", None)
-        if not metas or None in metas or run.global_scratch_size or run.profile_scratch_size \
-                or getattr(run, "gsan_enabled", False):
+        if layout is None or not hasattr(run, "launch_cooperative_grid") or getattr(run, "global_scratch_size", 1) \
+                or getattr(run, "profile_scratch_size", 1) or getattr(run, "gsan_enabled", False):
+            return None
+        metas = list(getattr(getattr(compiled, "metadata", None), "tensordesc_meta", None) or ())
+        if None in metas or sum(map(_is_descriptor, args)) != len(metas):
             return None  # (without metadata Triton passes the tensor itself, which a kept encoding would hold)
-        if sum(map(_is_descriptor, args)) != len(metas) or any(
-                isinstance(a, tuple) and any(map(_is_descriptor, a)) for a in args):
-            return None  # a descriptor inside a tuple: not spread here
+        if any(isinstance(a, tuple) for a in args):
+            return None  # Triton flattens tuples (and the descriptors in them): not done here
         from triton.backends.nvidia import driver as nvidia
 
         base_args = (None,) if layout == "shared" else ()  # 3.9's encoder also takes the launch's base arguments
@@ -178,8 +181,13 @@ class _Encoded:
                 c_launch(x, y, z, stream, function, coop, pdl, packed, None, None, None, None, None, annotations,
                          signature, kernel_args)
         else:  # (grid, stream, function, coop, pdl, scratch, metadata, hooks, *args)
-            # the kernel's own launcher is the one Triton's descriptor-encoding wrapper closes over, as `launcher`
-            c_launch = inspect.getclosurevars(run.launch).nonlocals.get("launcher")
+            # the kernel's own launcher, or the one Triton's descriptor-encoding wrapper closes over, as `launcher`
+            c_launch = run.launch
+            if not inspect.isbuiltin(c_launch):
+                try:
+                    c_launch = inspect.getclosurevars(c_launch).nonlocals.get("launcher")
+                except TypeError:  # not a Python function: a launcher this path does not know
+                    return None
             if c_launch is None:
                 return None
 
@@ -197,7 +205,7 @@ class _Encoded:
                 template.extend(entries)
             else:
                 spans.append((len(template), 1, None))
-                template.append(a)
+                template.append(_address(a))
         places = []
         for slot, d in zip(slots, describe, strict=True):
             start, width, meta = spans[slot]
@@ -211,8 +219,10 @@ class _Encoded:
         args = self._template
         for (start, width, encode, encoded), value in zip(self._places, values, strict=True):
             if encode is None:
-                if isinstance(value, torch.Tensor) and value.data_ptr() % 16:
-                    return False
+                if isinstance(value, torch.Tensor):
+                    value = value.data_ptr()
+                    if value % 16:
+                        return False
                 args[start] = value
                 continue
             key = (value.data_ptr(), value.shape)
@@ -224,6 +234,12 @@ class _Encoded:
             args[start:start + width] = entries
         self._launch(grid[0], grid[1], grid[2], stream, args)
         return True
+
+
+def _address(value: Any) -> Any:
+    """A tensor's address, which Triton's C launcher takes as it is; for a tensor it asks the driver to check the
+    pointer (`cuPointerGetAttribute`, at every launch, for every tensor). Anything else: itself."""
+    return value.data_ptr() if isinstance(value, torch.Tensor) else value
 
 
 def _is_descriptor(value: Any) -> bool:

@@ -48,12 +48,14 @@ def _kernels():
     i64 = "*i64"
     GEMM = {"BM": 128, "BN": 256, "BK": 64, "GROUP_M": 8, "STAGES": 3}
     # what a launch specializes when pointers and sizes are multiples of 16 (the usual case)
-    ALIGNED = ("src_ptr", "out_ptr", "limit", "C", "ss0", "ss1", "ss2", "ds0", "ds1", "ds2", "src_me", "src_r",
-               "dst_me", "dst_r")
-    PULL = {"src_ptr": "*bf16", "src_handle": i64, "out_ptr": "*bf16", "done_ptr": "*i32", "done_handle": i64,
+    ALIGNED = ("x_ptr", "src_ptr", "mid_ptr", "out_ptr", "limit", "C", "ss0", "ss1", "ss2", "ds0", "ds1", "ds2",
+               "src_me", "src_r", "dst_me", "dst_r")
+    PULL = {"x_ptr": "*bf16", "src_ptr": "*bf16", "src_handle": i64, "mid_ptr": "*bf16", "mid_handle": i64,
+            "out_ptr": "*bf16", "rounds_ptr": "*i32", "rounds_handle": i64,
             "limit": "i64", **{k: "i32" for k in ("R0", "R1", "R2", "C", "ss0", "ss1", "ss2", "ds0", "ds1", "ds2",
                                                    "src_me", "src_r", "dst_me", "dst_r")}, **MEET,
-            "REDUCE": "constexpr", "BR": "constexpr", "BC": "constexpr", "LIMIT": "constexpr"}
+            **{k: "constexpr" for k in ("STAGE", "REDUCE", "TWO_SHOT", "IN_PLACE", "BR", "BC", "LIMIT")}}
+    NO_STAGE = {"STAGE": False, "TWO_SHOT": False, "IN_PLACE": False}
     kernels = {
         "signal_wait": (pc._signal_wait_kernel, {"src_ptr": "*fp32", "inbox_ptr": "*fp32", "h": i64,
                                                  "flags_ptr": "*i32", "hf": i64, "out_ptr": "*fp32", "n": "i32",
@@ -70,9 +72,16 @@ def _kernels():
         "tma_store_add": (pc._tma_kernel, {"src_ptr": "*fp32", "y_ptr": "*fp32", "h": i64, "M": "i32", "N": "i32",
                                            "ADD": "constexpr", "BM": "constexpr", "BN": "constexpr"},
                           {"ADD": True, "BM": 64, "BN": 64}),
-        "collective_pull": (_pull_kernel, PULL, {"REDUCE": True, "BR": 4, "BC": 1024, "LIMIT": True}, ALIGNED),
-        "collective_pull_copy": (_pull_kernel, PULL, {"REDUCE": False, "BR": 1, "BC": 4096, "LIMIT": False},
-                                 ALIGNED),
+        "collective_pull": (_pull_kernel, PULL, {**NO_STAGE, "REDUCE": True, "BR": 4, "BC": 1024, "LIMIT": True},
+                            ALIGNED),
+        "collective_pull_copy": (_pull_kernel, PULL, {**NO_STAGE, "REDUCE": False, "BR": 1, "BC": 4096,
+                                                      "LIMIT": False}, ALIGNED),
+        # a plain tensor's all_reduce of two phases: the staging copy, three rounds
+        "collective_two_shot_staged": (_pull_kernel, PULL, {"STAGE": True, "REDUCE": True, "TWO_SHOT": True,
+                                                            "IN_PLACE": False, "BR": 4, "BC": 1024, "LIMIT": True},
+                                       ALIGNED),
+        "collective_pull_in_place": (_pull_kernel, PULL, {**NO_STAGE, "IN_PLACE": True, "REDUCE": True, "BR": 4,
+                                                          "BC": 1024, "LIMIT": False}, ALIGNED),
         "lcsc_example": (example._scaled_all_gather_kernel,
                          {"x_ptr": "*bf16", "out_ptr": "*bf16", "out_handle": i64, "flags_ptr": "*i32",
                           "flags_handle": i64, "alpha": "fp32", "M": "i32", "N": "i32", "num_tasks": "i32",

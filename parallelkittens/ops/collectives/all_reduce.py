@@ -39,7 +39,8 @@ def algorithm(nbytes: int, world: int) -> str:
 
 
 class AllReducePlan:
-    """all_reduce of one shape and dtype: the algorithm, its pulls, and its staging and reduced buffers."""
+    """all_reduce of one shape and dtype: the algorithm, its pull kernel, and its staging and reduced buffers.
+    Every call is one launch."""
 
     op = "all_reduce"
 
@@ -52,21 +53,23 @@ class AllReducePlan:
         sig = signature(self.op, shape, str(dtype), self.algorithm, f"zero_copy={zero_copy}")
         self._any_handle = meeting().handle  # at one rank the kernel reads only its own input, wherever it is
         self._staging = Staging(shape, dtype) if world > 1 and not zero_copy and n else None
-        self._pulls: list[Pull] = []
+        self._pull = self._in_place = None
         if n == 0:
             return
         if self.algorithm == "one_shot":
-            self._pulls.append(Pull(Copy((1, 1, 1), n, (0, 0, 0), (0, 0, 0), reduce=True), dtype, sig))
+            copy = Copy((1, 1, 1), n, (0, 0, 0), (0, 0, 0), reduce=True)
+            self._pull = Pull(copy, dtype, sig, staging=self._staging)
+            if zero_copy and world > 1:  # out=x: peers read x until the end, so the sums wait in `mid`
+                self._in_place = Pull(copy, dtype, sig, in_place=True, mid=torch.empty(n, dtype=dtype,
+                                                                                       device=self.device))
             return
         part = -(-n // world // ALIGN) * ALIGN  # this rank's slice of the sum, padded for alignment
         reduced = heap().pool("collectives.reduced", world * part * dtype.itemsize)
-        self._slices, self._slices_handle = reduced.view(world * part, dtype), reduced.handle
-        # 1) reduce-scatter: my slice of every peer's input, summed, into my part of the symmetric buffer
-        self._pulls.append(Pull(Copy((1, 1, 1), part, (0, 0, 0), (0, 0, 0), src_me=part, dst_me=part, reduce=True,
-                                     limit=n), dtype, sig))
-        # 2) all-gather: every rank's slice into place (peers finished reading the input in step 1)
-        self._pulls.append(Pull(Copy((1, 1, 1), part, (0, 0, 0), (0, 0, 0), src_r=part, dst_r=part, limit=n), dtype,
-                                sig))
+        # the reduce-scatter (my slice of every rank's input, summed into my part of `mid`), then the all-gather of
+        # the parts; in place needs nothing more: each program writes only what it alone reads, after the round
+        copy = Copy((1, 1, 1), part, (0, 0, 0), (0, 0, 0), src_me=part, dst_me=part, reduce=True, limit=n)
+        self._pull = Pull(copy, dtype, sig, staging=self._staging, two_shot=True, mid=reduced.view(world * part, dtype),
+                          mid_handle=reduced.handle)
 
     def __call__(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The sum of `x` over ranks, into `out` (a new tensor by default; `out` may be `x` itself)."""
@@ -76,19 +79,13 @@ class AllReducePlan:
                 out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             elif out is not x:
                 check_out(self.op, out, self.shape, self.dtype)
-            if not self._pulls:
+            if self._pull is None:
                 return out
             src, handle = source(self.op, x, self.zero_copy, self._staging, self._any_handle)
         except PKError as e:
-            plans.refuse(len(self._pulls), e)
-        if self.algorithm == "one_shot":
-            dst = torch.empty_like(x) if out is x and src is x else out  # peers read x until the kernel's end
-            self._pulls[0](src, handle, dst)
-            if dst is not out:
-                out.copy_(dst)
-        else:
-            self._pulls[0](src, handle, self._slices)
-            self._pulls[1](self._slices, self._slices_handle, out)
+            plans.refuse(int(self._pull is not None), e)
+        pull = self._in_place if out is x and self._in_place is not None else self._pull
+        pull(x, src, handle, out)
         return out
 
 
