@@ -225,7 +225,7 @@ def _plain_launch(mp, triton_36: bool) -> list:
     bound = launching.Launcher(kernel, (3,), per_call=("a",), n=9, w=w, BLOCK=64)
     bound._direct_ok = True
     x, y = torch.zeros(4), torch.zeros(6)
-    for t in (x, x, y):
+    for t in (x, x, y, torch.zeros(8)[1:]):  # the last 4 bytes in: Triton's path again, which specialises it
         bound(t)
     names = {x.data_ptr(): "x", y.data_ptr(): "y", w.data_ptr(): "w"}
     return [len(kernel.slow), [[names.get(a, a) for a in call] for call in c_calls]]
@@ -235,7 +235,7 @@ def test_a_kernel_without_descriptors_goes_to_the_c_launcher_with_tensors_as_add
     # an address needs no driver call in the launcher; a tensor costs one (cuPointerGetAttribute) at every launch
     for triton_36 in (True, False):
         slow, calls = pk.spawn(_in_a_rank, 1, "_plain_launch", triton_36)[0]
-        assert slow == 1 and calls == [["x", 9, "w", 64], ["y", 9, "w", 64]], (triton_36, calls)
+        assert slow == 2 and calls == [["x", 9, "w", 64], ["y", 9, "w", 64]], (triton_36, slow, calls)
 
 
 def test_under_a_triton_release_not_known_descriptors_are_left_to_triton():
