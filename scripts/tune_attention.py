@@ -7,7 +7,7 @@ each kernel. The backward's dK/dV and dQ kernels are timed separately (their til
 `flash._tiles`' "bwd" and "dq"). TUNE_BEFORE=module times another version of the kernels too (a copy of
 flash.py kept under another name, with its own tiles and without the custom-op registrations), for an A/B of a
 kernel change in one run. TUNE_FWD and TUNE_BWD ("128,128,8,3;64,64,4,2", or empty for none) replace the lists
-of configurations timed.
+of configurations timed; a forward's may name its loads fifth ("128,128,4,2,tma-ws": `flash.FWD_LOADS`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def _configs(variable: str, default: list[tuple[int, ...]]) -> list[tuple[int, .
     text = os.environ.get(variable)
     if text is None:
         return default
-    return [tuple(int(x) for x in c.split(",")) for c in text.split(";") if c.strip()]
+    return [tuple(int(x) if x.strip().isdigit() else x.strip() for x in c.split(",")) for c in text.split(";")
+            if c.strip()]
 
 
 def _ms(fn) -> float:

@@ -73,6 +73,41 @@ def test_flash_attention_matches_float64():
     assert not failures, "; ".join(failures)
 
 
+def _load_paths() -> list[str]:
+    """The forward with Q, K and V read through pointers, TMA descriptors, and TMA with the key loop warp
+    specialised (FWD_LOADS), each against float64: grouped-query heads, ragged ends, both layouts, causal or not."""
+    from parallelkittens.ops.attention import flash
+
+    pk.init()
+    dev, failures = pk.context().device, []
+    for dtype in DTYPES[:2]:
+        for B, Hq, Hkv, Nq, Nk, D, causal, layout in [(2, 4, 2, 37, 37, 64, True, "BHND"),
+                                                      (1, 2, 1, 19, 45, 64, False, "BHND"),
+                                                      (1, 4, 2, 48, 64, 128, False, "BHND"),
+                                                      (1, 4, 2, 40, 40, 128, True, "BSHD")]:
+            seed = shared_seed()
+            q = rank_data((B, Hq, Nq, D), torch.float32, seed, 0, device=dev).to(dtype)
+            k, v = (rank_data((B, Hkv, Nk, D), torch.float32, seed, i, device=dev).to(dtype) for i in (1, 2))
+            ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal)
+            if layout == "BSHD":  # (B, N, H, D), read in place
+                q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            tiles = flash._tiles(dev, D, dtype)
+            for loads in flash.FWD_LOADS:
+                plan = flash.AttentionPlan(q.shape, k.shape, dtype, causal, D ** -0.5, layout=layout,
+                                           tiles={**tiles, "fwd": (*tiles["fwd"][:4], loads)})
+                out, lse = plan.forward(q, k, v)
+                out = out.transpose(1, 2) if layout == "BSHD" else out
+                what = f"{loads} B{B} Hq{Hq} Hkv{Hkv} Nq{Nq} Nk{Nk} D{D} causal={causal} {layout}"
+                failures += [p for p in (check_attention(f"{what} out", out, ref_out, dtype),
+                                         check_attention(f"{what} lse", lse, ref_lse, torch.float32)) if p]
+    return failures
+
+
+def test_forward_load_paths_match_float64():
+    failures = pk.spawn(_load_paths, 1)[0]
+    assert not failures, "; ".join(failures)
+
+
 def _ring_cases(D: int, Hq: int, Hkv: int, dtype: torch.dtype) -> list[str]:
     ctx = pk.context()
     world, failures = ctx.local_world_size, []

@@ -24,12 +24,14 @@ query tile and writes dQ. With `ACCUMULATE` the gradients are added into fp32 bu
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...runtime.context import context
 from ...runtime.errors import PKError
@@ -91,41 +93,58 @@ def key_bounds(q_pos, n_k, k_seg_len, k_seg0, k_seg1, CAUSAL: tl.constexpr, BLOC
 
 
 @triton.jit
-def attend(q, k_ptr, v_ptr, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0, k_seg1, qk_scale,
-           CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The unnormalised attention of one query tile `q` (BLOCK_M, HEAD_DIM) over keys and values at `k_ptr`,
-    `v_ptr` (rows `stride_*n` apart): (acc, m, denom) with acc = sum_j exp2(s_j - m) v_j, denom = sum_j
-    exp2(s_j - m), m the rows' running maxima, all fp32 and in base 2 (s = q.k * qk_scale, qk_scale including
-    log2(e)). Key tiles every query of the tile sees whole run without masks; the rest (the diagonal, the ragged
-    end) with them."""
+def attend(q, k_src, v_src, b, kv_h, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0, k_seg1, qk_scale,
+           CAUSAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           HEAD_DIM: tl.constexpr):
+    """The unnormalised attention of one query tile `q` (BLOCK_M, HEAD_DIM) over the keys and values of batch `b`,
+    head `kv_h` (`_kv_rows`): (acc, m, denom) with acc = sum_j exp2(s_j - m) v_j, denom = sum_j exp2(s_j - m), m
+    the rows' running maxima, all fp32 and in base 2 (s = q.k * qk_scale, qk_scale including log2(e)). Key tiles
+    every query of the tile sees whole run without masks; the rest (the diagonal, the ragged end) with them.
+    With WS, one warp-specialised loop instead (a producer warp group issues the TMA loads, two consumer warp groups
+    take 64 rows each; Hopper's automatic warp specialisation takes one loop, without branches): masked throughout
+    when CAUSAL, else over whole tiles only (the host asks for WS then only)."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     whole, end = key_bounds(q_pos, n_k, k_seg_len, k_seg0, k_seg1, CAUSAL, BLOCK_N)
-    acc, m, denom = _attend_keys(acc, m, denom, q, k_ptr, v_ptr, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0,
-                                 k_seg1, qk_scale, 0, whole, False, CAUSAL, BLOCK_N, HEAD_DIM)
-    return _attend_keys(acc, m, denom, q, k_ptr, v_ptr, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0, k_seg1,
-                        qk_scale, whole, end, True, CAUSAL, BLOCK_N, HEAD_DIM)
+    if WS:
+        return _attend_keys(acc, m, denom, q, k_src, v_src, b, kv_h, stride_kn, stride_vn, n_k, q_pos, k_seg_len,
+                            k_seg0, k_seg1, qk_scale, 0, end, CAUSAL, CAUSAL, TMA, True, BLOCK_N, HEAD_DIM)
+    acc, m, denom = _attend_keys(acc, m, denom, q, k_src, v_src, b, kv_h, stride_kn, stride_vn, n_k, q_pos,
+                                 k_seg_len, k_seg0, k_seg1, qk_scale, 0, whole, False, CAUSAL, TMA, False, BLOCK_N,
+                                 HEAD_DIM)
+    return _attend_keys(acc, m, denom, q, k_src, v_src, b, kv_h, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0,
+                        k_seg1, qk_scale, whole, end, True, CAUSAL, TMA, False, BLOCK_N, HEAD_DIM)
 
 
 @triton.jit
-def _attend_keys(acc, m, denom, q, k_ptr, v_ptr, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0, k_seg1,
-                 qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr):
-    """`attend`'s online softmax over key indices [lo, hi), with the masks only when MASKED."""
-    dims = tl.arange(0, HEAD_DIM)
-    for start in range(lo, hi, BLOCK_N):
+def _kv_rows(src, b, kv_h, start, stride_n, n_k, MASKED: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+             HEAD_DIM: tl.constexpr):
+    """Key (or value) rows [start, start + BLOCK_N) of batch `b`, head `kv_h`: with TMA, through the descriptor
+    `src` over (B, H_KV, N_K, HEAD_DIM) (rows past the end come as zeros); else `src` points at that head's first
+    row and the rows are `stride_n` apart (masked past the end when MASKED)."""
+    if TMA:
+        return src.load([b.to(tl.int32), kv_h.to(tl.int32), start, 0]).reshape(BLOCK_N, HEAD_DIM)
+    else:
         offs_n = start + tl.arange(0, BLOCK_N)
-        k_ptrs = k_ptr + offs_n[:, None] * stride_kn + dims[None, :]
-        v_ptrs = v_ptr + offs_n[:, None] * stride_vn + dims[None, :]
+        ptrs = src + offs_n[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :]
         if MASKED:
-            in_range = offs_n < n_k
-            k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
+            return tl.load(ptrs, mask=(offs_n < n_k)[:, None], other=0.0)
         else:
-            k = tl.load(k_ptrs)
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _attend_keys(acc, m, denom, q, k_src, v_src, b, kv_h, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0,
+                 k_seg1, qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
+                 WS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """`attend`'s online softmax over key indices [lo, hi), with the masks only when MASKED."""
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        k = _kv_rows(k_src, b, kv_h, start, stride_kn, n_k, MASKED, TMA, BLOCK_N, HEAD_DIM)
         s = tl.dot(q, tl.trans(k))  # unscaled: the scale goes into the rows' maxima and one fused multiply-add
         if MASKED:
-            keep = in_range[None, :]
+            offs_n = start + tl.arange(0, BLOCK_N)
+            keep = (offs_n < n_k)[None, :]
             if CAUSAL:
                 keep = keep & (position(offs_n, k_seg_len, k_seg0, k_seg1)[None, :] <= q_pos[:, None])
             s = tl.where(keep, s, float("-inf"))
@@ -136,10 +155,7 @@ def _attend_keys(acc, m, denom, q, k_ptr, v_ptr, stride_kn, stride_vn, n_k, q_po
             m_safe = m_new
         p = tl.math.exp2(s * qk_scale - m_safe[:, None])
         alpha = tl.math.exp2(m - m_safe)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
+        v = _kv_rows(v_src, b, kv_h, start, stride_vn, n_k, MASKED, TMA, BLOCK_N, HEAD_DIM)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # the product accumulates in place (no 2nd tile)
         denom = denom * alpha + tl.sum(p, 1)
         m = m_new
@@ -150,7 +166,7 @@ class Fwd(NamedTuple):
     """The forward's run-time values in a kernel: pointers, sizes, strides and positions."""
 
     q_ptr: object
-    k_ptr: object
+    k_ptr: object  # a pointer, or with FwdTiles.TMA a descriptor
     v_ptr: object
     o_ptr: object  # the output (dtype), or None while merging into `acc_ptr`
     lse_ptr: object  # (B, H, N_Q) fp32, natural log
@@ -179,6 +195,8 @@ class Fwd(NamedTuple):
 
 class FwdTiles(NamedTuple):
     CAUSAL: tl.constexpr
+    TMA: tl.constexpr  # q_ptr, k_ptr and v_ptr are TMA descriptors over (B, heads, rows, HEAD_DIM) (`_kv_rows`)
+    WS: tl.constexpr  # with TMA: warp specialise the unmasked key loop (`attend`)
     MERGE: tl.constexpr  # merge into the running fp32 result instead of writing the output
     FINAL: tl.constexpr  # merging, and this is the last block: write the merged result to the output
     BLOCK_M: tl.constexpr
@@ -195,13 +213,19 @@ def fwd_task(F, C, tile, bh):
     offs_m = tile * C.BLOCK_M + tl.arange(0, C.BLOCK_M)
     dims = tl.arange(0, C.HEAD_DIM)
     rows = offs_m < F.N_Q
-    q = tl.load(F.q_ptr + b * F.stride_qb + h * F.stride_qh + offs_m[:, None] * F.stride_qn + dims[None, :],
-                mask=rows[:, None], other=0.0)
+    if C.TMA:  # rows past the end come as zeros
+        q = F.q_ptr.load([b.to(tl.int32), h.to(tl.int32), tile * C.BLOCK_M, 0]).reshape(C.BLOCK_M, C.HEAD_DIM)
+    else:
+        q = tl.load(F.q_ptr + b * F.stride_qb + h * F.stride_qh + offs_m[:, None] * F.stride_qn + dims[None, :],
+                    mask=rows[:, None], other=0.0)
     q_pos = position(offs_m, F.q_seg_len, F.q_seg0, F.q_seg1)
     q_pos = tl.where(rows, q_pos, tl.min(q_pos, 0))  # rows past the end see no more than the tile's first
-    acc, m, denom = attend(q, F.k_ptr + b * F.stride_kb + kv_h * F.stride_kh,
-                           F.v_ptr + b * F.stride_kb + kv_h * F.stride_kh, F.stride_kn, F.stride_kn, F.N_K, q_pos,
-                           F.k_seg_len, F.k_seg0, F.k_seg1, F.qk_scale, C.CAUSAL, C.BLOCK_M, C.BLOCK_N, C.HEAD_DIM)
+    if C.TMA:  # descriptors over every head
+        k_src, v_src = F.k_ptr, F.v_ptr
+    else:
+        k_src, v_src = F.k_ptr + b * F.stride_kb + kv_h * F.stride_kh, F.v_ptr + b * F.stride_kb + kv_h * F.stride_kh
+    acc, m, denom = attend(q, k_src, v_src, b, kv_h, F.stride_kn, F.stride_kn, F.N_K, q_pos, F.k_seg_len, F.k_seg0,
+                           F.k_seg1, F.qk_scale, C.CAUSAL, C.TMA, C.WS, C.BLOCK_M, C.BLOCK_N, C.HEAD_DIM)
     # log-sum-exp in base 2, -inf for rows that saw no key
     seen = denom > 0
     lse2 = tl.where(seen, m + tl.math.log2(tl.where(seen, denom, 1.0)), float("-inf"))
@@ -242,11 +266,13 @@ def _heavy_first(CAUSAL: tl.constexpr):
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, acc_ptr, H, GROUP, N_Q, N_K, stride_qb, stride_qh, stride_qn,
                 stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on, q_seg_len, q_seg0, q_seg1,
                 k_seg_len, k_seg0, k_seg1, qk_scale, CAUSAL: tl.constexpr, MERGE: tl.constexpr,
-                FINAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+                FINAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     F = Fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, acc_ptr, H, GROUP, N_Q, N_K, stride_qb, stride_qh, stride_qn,
             stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on, q_seg_len, q_seg0, q_seg1, k_seg_len,
             k_seg0, k_seg1, qk_scale)
-    fwd_task(F, FwdTiles(CAUSAL, MERGE, FINAL, BLOCK_M, BLOCK_N, HEAD_DIM), _heavy_first(CAUSAL), tl.program_id(1))
+    fwd_task(F, FwdTiles(CAUSAL, TMA, WS, MERGE, FINAL, BLOCK_M, BLOCK_N, HEAD_DIM), _heavy_first(CAUSAL),
+             tl.program_id(1))
 
 
 @triton.jit
@@ -478,8 +504,12 @@ def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     del seq
 
 
+FWD_LOADS = ("pointers", "tma", "tma-ws")  # how the forward reads Q, K and V (`AttentionPlan`)
+
+
 def _tiles(device: torch.device, head_dim: int, dtype: torch.dtype) -> dict:
-    """Block sizes and launch options of the forward and the backward kernels."""
+    """Block sizes and launch options of the forward and the backward kernels: (BLOCK_M, BLOCK_N, warps, stages),
+    the forward's with one of FWD_LOADS as a fifth value where it is not "pointers"."""
     if device.type != "cuda":  # the interpreter: every block op is a numpy call, small tiles keep it quick
         return {"fwd": (16, 16, 4, 1), "bwd": (16, 16, 4, 1)}
     if dtype == torch.float32:  # twice the bytes per tile: smaller tiles fit shared memory
@@ -534,15 +564,30 @@ class AttentionPlan:
         self.empty = B * H * N_Q == 0
         if self.empty:
             return
-        bm, bn, warps, stages = tiles["fwd"]
+        bm, bn, warps, stages, *loads = tiles["fwd"]
+        loads = loads[0] if loads else "pointers"
+        if loads not in FWD_LOADS:
+            raise PKError(f"{self.op}: the forward's loads must be one of {FWD_LOADS}, got {loads!r}")
         fwd = dict(self.sizes, stride_ob=q_strides[0], stride_oh=q_strides[1], stride_on=q_strides[2],
                    CAUSAL=causal, FINAL=False, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, num_warps=warps,
                    num_stages=stages)
         grid = (cdiv(N_Q, bm), B * H)
-        self._fwd = Launcher(_fwd_kernel, grid, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr"), acc_ptr=None,
-                             MERGE=False, **fwd)
+        # "tma": Q, K and V through TMA host descriptors, from Hopper on (`_Encoded` encodes them once per
+        # address); "tma-ws": also the key loop warp specialised (`attend`), where keys come in whole tiles or under
+        # the causal mask. The interpreter runs the same paths.
+        hopper = ctx.device.type != "cuda" or torch.cuda.get_device_capability(ctx.device)[0] >= 9
+        self.tma = hopper and loads != "pointers"
+        specialize = self.tma and loads == "tma-ws" and (causal or N_K % bn == 0)
+        describe_q = functools.partial(_rows_descriptor, shape=(B, H, N_Q, D), strides=(*q_strides, 1),
+                                       block=[1, 1, bm, D])
+        describe_kv = functools.partial(_rows_descriptor, shape=(B, H_KV, N_K, D), strides=(*kv_strides, 1),
+                                        block=[1, 1, bn, D])
+        descriptors = {"q_ptr": describe_q, "k_ptr": describe_kv, "v_ptr": describe_kv}
+        self._fwd = Launcher(_fwd_kernel, grid, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr"),
+                             descriptors=descriptors if self.tma else None, acc_ptr=None, MERGE=False, TMA=self.tma,
+                             WS=specialize, **fwd)
         self._merge = Launcher(_fwd_kernel, grid, ("q_ptr", "k_ptr", "v_ptr", "lse_ptr", "acc_ptr"), o_ptr=None,
-                               MERGE=True, **fwd)
+                               MERGE=True, TMA=False, WS=False, **fwd)
         self._pre = Launcher(_bwd_preprocess, (cdiv(N_Q, 64), B * H), ("o_ptr", "do_ptr", "delta_ptr"), N=N_Q,
                              stride_ob=q_strides[0], stride_oh=q_strides[1], stride_on=q_strides[2], H=H, BLOCK_M=64,
                              HEAD_DIM=D, num_warps=4)
@@ -572,6 +617,8 @@ class AttentionPlan:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(out, lse): out like q, lse (B, H, N) fp32 natural log (-inf for rows that see no key)."""
         q, k, v = self._check(q, k, v)
+        if self.tma:  # TMA reads from 16-byte aligned addresses only
+            q, k, v = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v))
         out = torch.empty_like(q)
         lse = torch.empty(self.lse_shape(), dtype=torch.float32, device=self.device)
         if not self.empty:
@@ -612,6 +659,15 @@ class AttentionPlan:
             return dq.zero_(), dk.zero_(), dv.zero_()
         self.backward_into(do, q, k, v, lse, self.delta(out, do, dlse), dq, dk, dv, accumulate=False)
         return dq, dk, dv
+
+
+def _rows_descriptor(t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...], block: list[int]
+                     ) -> TensorDescriptor:
+    """A TMA descriptor over Q, K or V as (B, heads, rows, D) in either layout, made without `TensorDescriptor`'s own
+    checks (the plan's are enough; see `matmul.descriptor`)."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = t, list(shape), list(strides), block, "zero"
+    return desc
 
 
 def _contiguous_strides(shape: tuple, layout: str) -> tuple[int, int, int]:
