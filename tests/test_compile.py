@@ -53,6 +53,11 @@ def test_tensor_descriptors_use_tma(hot):
     assert "tma_reduce" in hot["tma_store_add"]
 
 
+def test_attention_forward_uses_wgmma_and_tma_where_asked(hot):
+    assert "wgmma" in hot["attention_forward"] and "tma_load" not in hot["attention_forward"]
+    assert "wgmma" in hot["attention_forward_tma"] and "tma_load" in hot["attention_forward_tma"]
+
+
 def test_store_add_is_a_system_scope_atomic(hot):
     assert "relaxed_sys_add" in hot["store_add"]
 

@@ -23,6 +23,7 @@ MARKERS = {
     "bulk_wait": ("cp.async.bulk.wait_group 0",),
     "proxy_fence": ("fence.proxy.async.global",),
     "tma_store": ("cp.async.bulk.tensor",),
+    "tma_load": (".shared::cluster.global.mbarrier", ".shared::cta.global.mbarrier"),  # global to shared
     "tma_reduce": ("cp.reduce.async.bulk.tensor",),
     "setmaxnreg": ("setmaxnreg.",),
     "acq_rel_gpu_atomic": ("atom.global.gpu.acq_rel", "atom.global.acq_rel.gpu", "atom.acq_rel.gpu"),
@@ -89,6 +90,7 @@ def _kernels():
                          {"BM": 32, "BN": 64}),
     }
     kernels.update(_gemm_kernels("bf16", GEMM))
+    kernels.update(_attention_kernels())
     kernels.update({name + "_fp32": kernel for name, kernel in _gemm_kernels("fp32", {**GEMM, "BK": 32}).items()
                     if name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul", "matmul_all_reduce")})
     narrow = {**GEMM, "BN": 128, "STAGES": 5}  # matmul_config's choice when tiles are few
@@ -105,6 +107,29 @@ def _kernels():
                      "GROUP_M": "constexpr", "STAGES": "constexpr"}
         kernels["matmul_pingpong"] = (pingpong._pingpong_kernel, signature, {"GROUP_M": 8, "STAGES": 5})
     return kernels
+
+
+def _attention_kernels() -> dict:
+    """The flash forward with its H200 tiles (128 x 128, 8 warps, 3 stages), reading Q, K and V through pointers
+    and through TMA descriptors (`flash.FWD_LOADS`), causal."""
+    from ..ops.attention import flash
+
+    fn = flash._fwd_kernel
+    ints = [a for a in fn.arg_names if a.startswith(("H", "GROUP", "N_", "stride", "q_seg", "k_seg"))]
+    base = {**{a: "i32" for a in ints}, "o_ptr": "*bf16", "lse_ptr": "*fp32", "acc_ptr": "constexpr",
+            "qk_scale": "fp32", **{k: "constexpr" for k in ("CAUSAL", "MERGE", "FINAL", "TMA", "WS", "BLOCK_M",
+                                                             "BLOCK_N", "HEAD_DIM")}}
+    consts = {"acc_ptr": None, "CAUSAL": True, "MERGE": False, "FINAL": False, "WS": False, "BLOCK_M": 128,
+              "BLOCK_N": 128, "HEAD_DIM": 128}
+    aligned = ("o_ptr", "lse_ptr", "N_Q", "N_K", "stride_qb", "stride_qh", "stride_qn", "stride_kb", "stride_kh",
+               "stride_kn", "stride_ob", "stride_oh", "stride_on")
+    rows = "tensordesc<bf16[1, 1, 128, 128]>"
+    return {
+        "attention_forward": (fn, {**base, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16"},
+                              {**consts, "TMA": False}, ("q_ptr", "k_ptr", "v_ptr", *aligned)),
+        "attention_forward_tma": (fn, {**base, "q_ptr": rows, "k_ptr": rows, "v_ptr": rows}, {**consts, "TMA": True},
+                                  aligned),
+    }
 
 
 def _desc(dtype: str, rows: int, cols: int, layout=None) -> str:
@@ -162,7 +187,9 @@ def compile_all(arch: int) -> dict[str, dict]:
         gluon = type(fn).__name__ == "GluonJITFunction"  # the Hopper ping-pong GEMM (ops/gemm/pingpong.py)
         src = (_gluon_source() if gluon else ASTSource)(fn, signature, constexprs, attrs=attrs)
         gemm = "BM" in constexprs and constexprs.get("BN") == 256
-        options = {"num_warps": 4, "maxnreg": 168} if gluon else {"num_warps": 8} if gemm else {}
+        attention = "HEAD_DIM" in constexprs
+        options = ({"num_warps": 4, "maxnreg": 168} if gluon else {"num_warps": 8} if gemm else
+                   {"num_warps": 8, "num_stages": 3} if attention else {})
         kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         ptx = kernel.asm["ptx"]
         found[name] = sorted(m for m, needles in MARKERS.items() if any(n in ptx for n in needles))
