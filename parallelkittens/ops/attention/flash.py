@@ -31,13 +31,13 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...runtime.context import context
 from ...runtime.errors import PKError
 from ...runtime.launch import Launcher
 from ...runtime.sizes import cdiv
 from .. import plan as plans
+from ..gemm.matmul import descriptor
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128)
@@ -196,7 +196,7 @@ class Fwd(NamedTuple):
 class FwdTiles(NamedTuple):
     CAUSAL: tl.constexpr
     TMA: tl.constexpr  # q_ptr, k_ptr and v_ptr are TMA descriptors over (B, heads, rows, HEAD_DIM) (`_kv_rows`)
-    WS: tl.constexpr  # with TMA: warp specialise the unmasked key loop (`attend`)
+    WS: tl.constexpr  # with TMA: one warp-specialised key loop (`attend`)
     MERGE: tl.constexpr  # merge into the running fp32 result instead of writing the output
     FINAL: tl.constexpr  # merging, and this is the last block: write the merged result to the output
     BLOCK_M: tl.constexpr
@@ -578,10 +578,9 @@ class AttentionPlan:
         hopper = ctx.device.type != "cuda" or torch.cuda.get_device_capability(ctx.device)[0] >= 9
         self.tma = hopper and loads != "pointers"
         specialize = self.tma and loads == "tma-ws" and (causal or N_K % bn == 0)
-        describe_q = functools.partial(_rows_descriptor, shape=(B, H, N_Q, D), strides=(*q_strides, 1),
-                                       block=[1, 1, bm, D])
-        describe_kv = functools.partial(_rows_descriptor, shape=(B, H_KV, N_K, D), strides=(*kv_strides, 1),
-                                        block=[1, 1, bn, D])
+        # over (B, heads, rows, D) in either layout
+        describe_q = functools.partial(descriptor, block=[1, 1, bm, D], view=([B, H, N_Q, D], [*q_strides, 1]))
+        describe_kv = functools.partial(descriptor, block=[1, 1, bn, D], view=([B, H_KV, N_K, D], [*kv_strides, 1]))
         descriptors = {"q_ptr": describe_q, "k_ptr": describe_kv, "v_ptr": describe_kv}
         self._fwd = Launcher(_fwd_kernel, grid, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr"),
                              descriptors=descriptors if self.tma else None, acc_ptr=None, MERGE=False, TMA=self.tma,
@@ -659,15 +658,6 @@ class AttentionPlan:
             return dq.zero_(), dk.zero_(), dv.zero_()
         self.backward_into(do, q, k, v, lse, self.delta(out, do, dlse), dq, dk, dv, accumulate=False)
         return dq, dk, dv
-
-
-def _rows_descriptor(t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...], block: list[int]
-                     ) -> TensorDescriptor:
-    """A TMA descriptor over Q, K or V as (B, heads, rows, D) in either layout, made without `TensorDescriptor`'s own
-    checks (the plan's are enough; see `matmul.descriptor`)."""
-    desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = t, list(shape), list(strides), block, "zero"
-    return desc
 
 
 def _contiguous_strides(shape: tuple, layout: str) -> tuple[int, int, int]:

@@ -193,10 +193,12 @@ def _matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.con
         store_tile(c_desc, acc.to(c_desc.dtype), pid_m * BM, pid_n * BN, BM, BN)
 
 
-def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+def descriptor(t: torch.Tensor, block: list[int], view: tuple[list[int], list[int]] | None = None
+               ) -> TensorDescriptor:
     """A TMA descriptor over the contiguous, 16-byte aligned 2-D tensor `t` in blocks of `block` (powers of two
-    up to 256), made on the host (see the module's docstring). An empty `t` gets a descriptor over a small
-    placeholder: TMA refuses empty tensors, and the kernels never read a tensor with no rows or columns.
+    up to 256), made on the host (see the module's docstring). `view` = (shape, strides) reads `t` as another
+    shape instead (attention reads (B, N, H, D) tensors as (B, H, N, D)). An empty `t` gets a descriptor over a
+    small placeholder: TMA refuses empty tensors, and the kernels never read a tensor with no rows or columns.
 
     Built without `TensorDescriptor`'s own checks, which cost 3 µs per descriptor on the H200 machine's host
     (a small GEMM makes three or four per call): `check_operands` and `MatmulConfig.validate` have done them."""
@@ -206,7 +208,8 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
             context().cache[key] = torch.zeros(1, 16 // t.element_size(), dtype=t.dtype, device=t.device)
         t = context().cache[key]
     desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = t, t.shape, t.stride(), block, "zero"
+    shape, strides = view if view is not None and t.numel() else (t.shape, t.stride())
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = t, shape, strides, block, "zero"
     return desc
 
 
