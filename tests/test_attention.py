@@ -2,6 +2,8 @@
 attention (both layouts) and Ulysses, outputs, log-sum-exp and the gradients of q, k and v; world sizes 1 to 4,
 grouped-query heads, head dims 64 and 128, sequence lengths that are not powers of two; bad input on every rank."""
 
+import itertools
+
 import pytest
 import torch
 from conftest import worlds
@@ -74,17 +76,20 @@ def test_flash_attention_matches_float64():
 
 
 def _load_paths() -> list[str]:
-    """The forward with Q, K and V read through pointers, TMA descriptors, and TMA with the key loop warp
-    specialised (FWD_LOADS), each against float64: grouped-query heads, ragged ends, both layouts, causal or not."""
+    """The forward with Q, K and V read through pointers, through TMA descriptors, and the warp-specialised Gluon
+    kernel (FWD_LOADS; on the CPU "gluon" falls back to TMA), each against float64: grouped-query heads, ragged
+    ends, both layouts, causal or not; on a GPU also sequences of many key tiles (the stages' ring wraps)."""
     from parallelkittens.ops.attention import flash
 
     pk.init()
     dev, failures = pk.context().device, []
+    cases = [(2, 4, 2, 37, 37, 64, True, "BHND"), (1, 2, 1, 19, 45, 64, False, "BHND"),
+             (1, 4, 2, 48, 64, 128, False, "BHND"), (1, 4, 2, 40, 40, 128, True, "BSHD")]
+    if dev.type == "cuda":
+        cases += [(2, 4, 1, 700, 1100, 128, False, "BHND"), (1, 4, 2, 1000, 1000, 128, True, "BSHD"),
+                  (1, 2, 2, 1100, 700, 64, True, "BHND")]
     for dtype in DTYPES[:2]:
-        for B, Hq, Hkv, Nq, Nk, D, causal, layout in [(2, 4, 2, 37, 37, 64, True, "BHND"),
-                                                      (1, 2, 1, 19, 45, 64, False, "BHND"),
-                                                      (1, 4, 2, 48, 64, 128, False, "BHND"),
-                                                      (1, 4, 2, 40, 40, 128, True, "BSHD")]:
+        for B, Hq, Hkv, Nq, Nk, D, causal, layout in cases:
             seed = shared_seed()
             q = rank_data((B, Hq, Nq, D), torch.float32, seed, 0, device=dev).to(dtype)
             k, v = (rank_data((B, Hkv, Nk, D), torch.float32, seed, i, device=dev).to(dtype) for i in (1, 2))
@@ -95,12 +100,31 @@ def _load_paths() -> list[str]:
             for loads in flash.FWD_LOADS:
                 plan = flash.AttentionPlan(q.shape, k.shape, dtype, causal, D ** -0.5, layout=layout,
                                            tiles={**tiles, "fwd": (*tiles["fwd"][:4], loads)})
+                # poison: the forward's outputs come from the blocks these free, so a row never written stays NaN
+                torch.full_like(q, float("nan")), torch.full(plan.lse_shape(), float("nan"), device=dev)
                 out, lse = plan.forward(q, k, v)
                 out = out.transpose(1, 2) if layout == "BSHD" else out
                 what = f"{loads} B{B} Hq{Hq} Hkv{Hkv} Nq{Nq} Nk{Nk} D{D} causal={causal} {layout}"
                 failures += [p for p in (check_attention(f"{what} out", out, ref_out, dtype),
                                          check_attention(f"{what} lse", lse, ref_lse, torch.float32)) if p]
     return failures
+
+
+@pytest.mark.parametrize("layout", ["BHND", "BSHD"])
+def test_gluon_forward_reads_each_head_where_it_lies(layout):
+    """The Gluon forward's TMA views (`flash_hopper.views`): q's row of (b, h, n) and k's (outer, n) of (b, h) are
+    that element's row, in either layout (the kernel itself runs only on a GPU)."""
+    from parallelkittens.ops.attention import flash_hopper
+
+    B, H, N, D = 2, 3, 5, 4
+    t = torch.arange(B * H * N * D, dtype=torch.float32).reshape((B, H, N, D) if layout == "BHND" else (B, N, H, D))
+    v = flash_hopper.views(tuple(t.shape), layout)
+    matrix, rows = (t.as_strided(*v[name]) for name in ("matrix", "rows"))
+    for b, h, n in itertools.product(range(B), range(H), range(N)):
+        want = t[b, h, n] if layout == "BHND" else t[b, n, h]
+        cols = slice(h * v["cols"], h * v["cols"] + D)
+        assert torch.equal(matrix[b * v["per_b"] + h * v["per_h"] + n, cols], want)
+        assert torch.equal(rows[b * v["outer_b"] + h * v["outer_h"], n, cols], want)
 
 
 def test_forward_load_paths_match_float64():

@@ -75,6 +75,16 @@ def test_pingpong_gemm_is_warp_specialised(hot, compiled):
     assert "setmaxnreg" in hot["matmul_pingpong"], "no register reallocation between the roles"
 
 
+def test_gluon_attention_forward_is_warp_specialised(hot, compiled):
+    from parallelkittens.ops.attention import flash_hopper
+
+    if not flash_hopper.AVAILABLE:
+        pytest.skip("this Triton has no Gluon warp specialisation")
+    marks = hot["attention_forward_ws"]
+    assert "wgmma" in marks and "tma_load" in marks and "setmaxnreg" in marks, marks
+    assert compiled["shared"]["attention_forward_ws"] <= 227 * 1024  # 3 stages of 128-key K and V tiles fit
+
+
 @pytest.mark.parametrize("kernel", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
                                     "matmul_reduce_scatter_b_t"])
 def test_fused_gemms_use_wgmma_and_tma(hot, kernel):

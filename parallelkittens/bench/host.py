@@ -13,8 +13,11 @@ Cases: `matmul` at 2048x256x2048 and 2048x2048x256 beside `torch.matmul`; each f
 beside `torch.matmul` (at one rank it is a GEMM); each collective at 4 KB and 1 MB, ours on a plain tensor and on a
 parallel tensor (read in place), beside torch.distributed (NCCL) at world 1; then the collectives' issue time at 2
 ranks sharing the GPU (their eager time there is set by the GPU's time slicing between processes, milliseconds per
-call, and measures nothing of ours). Every result is checked against its reference before it is timed, and every
-output is allocated before the timing, except the outputs the ops themselves return (as torch's do).
+call, and measures nothing of ours). Beside each collective, in the same turns, a floor: the issue time of one local
+torch kernel (`torch.add(x, 1, out=y)` on a tensor of the input's size), what any launch costs on that host and, at
+2 ranks, with another process launching on the same GPU. Every result is checked against its reference before it is
+timed, and every output is allocated before the timing, except the outputs the ops themselves return (as torch's
+do).
 
 Goals: `matmul` eager time at most 1.3x `torch.matmul`'s at both shapes; each fused op at most 1.3x
 `torch.matmul`'s eager time at 2048^3; each collective's issue time at most 20 µs, at world 1 and at 2 ranks
@@ -23,6 +26,7 @@ sharing the GPU.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -160,7 +164,11 @@ def _collectives(sync_too: bool) -> list[dict]:
             if ctx.backend == "cuda-shared":
                 theirs = None  # gloo between processes on one GPU: no comparable baseline
                 calls = 50  # each call waits for the GPU to switch between the ranks' processes (about 4.5 ms)
-            row = _row(name, f"{size} B", {"ours": plain, "ours_parallel_tensor": in_place}, theirs, sync_too, calls)
+            # the floor: one local torch kernel (x + 1, as large as the input), issued in the same turns
+            x = torch.randn(size // 2, device=ctx.device, dtype=torch.bfloat16)
+            floor = functools.partial(torch.add, x, 1, out=torch.empty_like(x))
+            row = _row(name, f"{size} B", {"ours": plain, "ours_parallel_tensor": in_place, "floor": floor}, theirs,
+                       sync_too, calls)
             rows.append({**row, "world_size": ctx.local_world_size, "backend": ctx.backend,
                          "check": "ok" if ok else "wrong result"})
             pk.sync()
@@ -179,13 +187,14 @@ def bench_host() -> dict:
         rows.append({**r0, **{k: max(v, r1[k]) for k, v in r0.items() if k.endswith("_us") and v is not None},
                      "check": r0["check"] if r1["check"] == "ok" else r1["check"]})
     print(f"{'op':<22} {'shape':>15} {'ranks':>5} {'ours eager':>10} {'torch eager':>11} {'ratio':>6} "
-          f"{'ours issue':>10} {'(pt)':>6} {'torch issue':>11} {'GPU: ours':>9} {'torch':>6} check")
+          f"{'ours issue':>10} {'(pt)':>6} {'torch issue':>11} {'floor':>6} {'GPU: ours':>9} {'torch':>6} check")
     for r in rows:
         ratio = (r["ours_eager_us"] / r["torch_eager_us"]) if r.get("torch_eager_us") and r.get("ours_eager_us") \
             else None
         print(f"{r['op']:<22} {r['shape']:>15} {r.get('world_size', 1):>5} {_f(r.get('ours_eager_us')):>10} "
               f"{_f(r.get('torch_eager_us')):>11} {_f(ratio, 2):>6} {_f(r.get('ours_issue_us')):>10} "
               f"{_f(r.get('ours_parallel_tensor_issue_us')):>6} {_f(r.get('torch_issue_us')):>11} "
+              f"{_f(r.get('floor_issue_us')):>6} "
               f"{_f(r.get('ours_gpu_us')):>9} {_f(r.get('torch_gpu_us')):>6} {r['check']}")
     return {"world_size": 1, "rows": rows, "goal": _goal(rows)}
 

@@ -11,6 +11,7 @@ read), and that every kernel fits in an H100/H200 SM's shared memory.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -111,25 +112,41 @@ def _kernels():
 
 def _attention_kernels() -> dict:
     """The flash forward with its H200 tiles (128 x 128, 8 warps, 3 stages), reading Q, K and V through pointers
-    and through TMA descriptors (`flash.FWD_LOADS`), causal."""
+    and through TMA descriptors (`flash.FWD_LOADS`), causal; and the warp-specialised Gluon forward."""
+    import torch
+
     from ..ops.attention import flash
 
     fn = flash._fwd_kernel
     ints = [a for a in fn.arg_names if a.startswith(("H", "GROUP", "N_", "stride", "q_seg", "k_seg"))]
     base = {**{a: "i32" for a in ints}, "o_ptr": "*bf16", "lse_ptr": "*fp32", "acc_ptr": "constexpr",
-            "qk_scale": "fp32", **{k: "constexpr" for k in ("CAUSAL", "MERGE", "FINAL", "TMA", "WS", "BLOCK_M",
+            "qk_scale": "fp32", **{k: "constexpr" for k in ("CAUSAL", "MERGE", "FINAL", "TMA", "BLOCK_M",
                                                              "BLOCK_N", "HEAD_DIM")}}
-    consts = {"acc_ptr": None, "CAUSAL": True, "MERGE": False, "FINAL": False, "WS": False, "BLOCK_M": 128,
+    consts = {"acc_ptr": None, "CAUSAL": True, "MERGE": False, "FINAL": False, "BLOCK_M": 128,
               "BLOCK_N": 128, "HEAD_DIM": 128}
     aligned = ("o_ptr", "lse_ptr", "N_Q", "N_K", "stride_qb", "stride_qh", "stride_qn", "stride_kb", "stride_kh",
                "stride_kn", "stride_ob", "stride_oh", "stride_on")
     rows = "tensordesc<bf16[1, 1, 128, 128]>"
-    return {
+    kernels = {
         "attention_forward": (fn, {**base, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16"},
                               {**consts, "TMA": False}, ("q_ptr", "k_ptr", "v_ptr", *aligned)),
         "attention_forward_tma": (fn, {**base, "q_ptr": rows, "k_ptr": rows, "v_ptr": rows}, {**consts, "TMA": True},
                                   aligned),
     }
+    from ..ops.attention import flash_hopper
+
+    if flash_hopper.AVAILABLE:  # the warp-specialised Gluon forward, causal, D 128, 128-key tiles, 3 stages
+        ws = flash_hopper._fwd_ws_kernel
+        layout = functools.partial(flash_hopper.shared_layout, torch.bfloat16)
+        ws_ints = [a for a in ws.arg_names if a.startswith(("H", "GROUP", "N_", "stride", "q_", "kv_"))
+                   and not a.endswith("desc")]
+        kv = f"tensordesc<bf16[1, 128, 128],{layout((1, 128, 128))!r}>"
+        signature = {**{a: "i32" for a in ws_ints}, "q_desc": _desc("bf16", 64, 128, layout((64, 128))),
+                     "k_desc": kv, "v_desc": kv, "o_ptr": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32",
+                     "CAUSAL": "constexpr", "STAGES": "constexpr"}
+        kernels["attention_forward_ws"] = (ws, signature, {"CAUSAL": True, "STAGES": 3},
+                                           ("o_ptr", "lse_ptr", "N_Q", "N_K", "stride_ob", "stride_oh", "stride_on"))
+    return kernels
 
 
 def _desc(dtype: str, rows: int, cols: int, layout=None) -> str:

@@ -38,6 +38,7 @@ from ...runtime.launch import Launcher
 from ...runtime.sizes import cdiv
 from .. import plan as plans
 from ..gemm.matmul import descriptor
+from . import flash_hopper
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128)
@@ -94,27 +95,20 @@ def key_bounds(q_pos, n_k, k_seg_len, k_seg0, k_seg1, CAUSAL: tl.constexpr, BLOC
 
 @triton.jit
 def attend(q, k_src, v_src, b, kv_h, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0, k_seg1, qk_scale,
-           CAUSAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           CAUSAL: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
            HEAD_DIM: tl.constexpr):
     """The unnormalised attention of one query tile `q` (BLOCK_M, HEAD_DIM) over the keys and values of batch `b`,
     head `kv_h` (`_kv_rows`): (acc, m, denom) with acc = sum_j exp2(s_j - m) v_j, denom = sum_j exp2(s_j - m), m
     the rows' running maxima, all fp32 and in base 2 (s = q.k * qk_scale, qk_scale including log2(e)). Key tiles
-    every query of the tile sees whole run without masks; the rest (the diagonal, the ragged end) with them.
-    With WS, one warp-specialised loop instead (a producer warp group issues the TMA loads, two consumer warp groups
-    take 64 rows each; Hopper's automatic warp specialisation takes one loop, without branches): masked throughout
-    when CAUSAL, else over whole tiles only (the host asks for WS then only)."""
+    every query of the tile sees whole run without masks; the rest (the diagonal, the ragged end) with them."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     whole, end = key_bounds(q_pos, n_k, k_seg_len, k_seg0, k_seg1, CAUSAL, BLOCK_N)
-    if WS:
-        return _attend_keys(acc, m, denom, q, k_src, v_src, b, kv_h, stride_kn, stride_vn, n_k, q_pos, k_seg_len,
-                            k_seg0, k_seg1, qk_scale, 0, end, CAUSAL, CAUSAL, TMA, True, BLOCK_N, HEAD_DIM)
     acc, m, denom = _attend_keys(acc, m, denom, q, k_src, v_src, b, kv_h, stride_kn, stride_vn, n_k, q_pos,
-                                 k_seg_len, k_seg0, k_seg1, qk_scale, 0, whole, False, CAUSAL, TMA, False, BLOCK_N,
-                                 HEAD_DIM)
+                                 k_seg_len, k_seg0, k_seg1, qk_scale, 0, whole, False, CAUSAL, TMA, BLOCK_N, HEAD_DIM)
     return _attend_keys(acc, m, denom, q, k_src, v_src, b, kv_h, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0,
-                        k_seg1, qk_scale, whole, end, True, CAUSAL, TMA, False, BLOCK_N, HEAD_DIM)
+                        k_seg1, qk_scale, whole, end, True, CAUSAL, TMA, BLOCK_N, HEAD_DIM)
 
 
 @triton.jit
@@ -137,9 +131,9 @@ def _kv_rows(src, b, kv_h, start, stride_n, n_k, MASKED: tl.constexpr, TMA: tl.c
 @triton.jit
 def _attend_keys(acc, m, denom, q, k_src, v_src, b, kv_h, stride_kn, stride_vn, n_k, q_pos, k_seg_len, k_seg0,
                  k_seg1, qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
-                 WS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """`attend`'s online softmax over key indices [lo, hi), with the masks only when MASKED."""
-    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for start in range(lo, hi, BLOCK_N):
         k = _kv_rows(k_src, b, kv_h, start, stride_kn, n_k, MASKED, TMA, BLOCK_N, HEAD_DIM)
         s = tl.dot(q, tl.trans(k))  # unscaled: the scale goes into the rows' maxima and one fused multiply-add
         if MASKED:
@@ -196,7 +190,6 @@ class Fwd(NamedTuple):
 class FwdTiles(NamedTuple):
     CAUSAL: tl.constexpr
     TMA: tl.constexpr  # q_ptr, k_ptr and v_ptr are TMA descriptors over (B, heads, rows, HEAD_DIM) (`_kv_rows`)
-    WS: tl.constexpr  # with TMA: one warp-specialised key loop (`attend`)
     MERGE: tl.constexpr  # merge into the running fp32 result instead of writing the output
     FINAL: tl.constexpr  # merging, and this is the last block: write the merged result to the output
     BLOCK_M: tl.constexpr
@@ -225,7 +218,7 @@ def fwd_task(F, C, tile, bh):
     else:
         k_src, v_src = F.k_ptr + b * F.stride_kb + kv_h * F.stride_kh, F.v_ptr + b * F.stride_kb + kv_h * F.stride_kh
     acc, m, denom = attend(q, k_src, v_src, b, kv_h, F.stride_kn, F.stride_kn, F.N_K, q_pos, F.k_seg_len, F.k_seg0,
-                           F.k_seg1, F.qk_scale, C.CAUSAL, C.TMA, C.WS, C.BLOCK_M, C.BLOCK_N, C.HEAD_DIM)
+                           F.k_seg1, F.qk_scale, C.CAUSAL, C.TMA, C.BLOCK_M, C.BLOCK_N, C.HEAD_DIM)
     # log-sum-exp in base 2, -inf for rows that saw no key
     seen = denom > 0
     lse2 = tl.where(seen, m + tl.math.log2(tl.where(seen, denom, 1.0)), float("-inf"))
@@ -266,12 +259,12 @@ def _heavy_first(CAUSAL: tl.constexpr):
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, acc_ptr, H, GROUP, N_Q, N_K, stride_qb, stride_qh, stride_qn,
                 stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on, q_seg_len, q_seg0, q_seg1,
                 k_seg_len, k_seg0, k_seg1, qk_scale, CAUSAL: tl.constexpr, MERGE: tl.constexpr,
-                FINAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, BLOCK_M: tl.constexpr,
+                FINAL: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     F = Fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, acc_ptr, H, GROUP, N_Q, N_K, stride_qb, stride_qh, stride_qn,
             stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on, q_seg_len, q_seg0, q_seg1, k_seg_len,
             k_seg0, k_seg1, qk_scale)
-    fwd_task(F, FwdTiles(CAUSAL, TMA, WS, MERGE, FINAL, BLOCK_M, BLOCK_N, HEAD_DIM), _heavy_first(CAUSAL),
+    fwd_task(F, FwdTiles(CAUSAL, TMA, MERGE, FINAL, BLOCK_M, BLOCK_N, HEAD_DIM), _heavy_first(CAUSAL),
              tl.program_id(1))
 
 
@@ -504,7 +497,7 @@ def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     del seq
 
 
-FWD_LOADS = ("pointers", "tma", "tma-ws")  # how the forward reads Q, K and V (`AttentionPlan`)
+FWD_LOADS = ("pointers", "tma", "gluon")  # how the forward reads Q, K and V, or its Gluon variant (`AttentionPlan`)
 
 
 def _tiles(device: torch.device, head_dim: int, dtype: torch.dtype) -> dict:
@@ -573,20 +566,23 @@ class AttentionPlan:
                    num_stages=stages)
         grid = (cdiv(N_Q, bm), B * H)
         # "tma": Q, K and V through TMA host descriptors, from Hopper on (`_Encoded` encodes them once per
-        # address); "tma-ws": also the key loop warp specialised (`attend`), where keys come in whole tiles or under
-        # the causal mask. The interpreter runs the same paths.
+        # address); the interpreter runs the same path. "gluon": the warp-specialised forward (`flash_hopper`) where
+        # it can run (a plain call's positions, keys to read), else "tma".
         hopper = ctx.device.type != "cuda" or torch.cuda.get_device_capability(ctx.device)[0] >= 9
         self.tma = hopper and loads != "pointers"
-        specialize = self.tma and loads == "tma-ws" and (causal or N_K % bn == 0)
+        self.gluon = loads == "gluon" and flash_hopper.usable(ctx.device, dtype, D) and N_K > 0 \
+            and q_segments in (None, (N_Q, 0, 0)) and k_segments in (None, (N_K, 0, 0))
         # over (B, heads, rows, D) in either layout
         describe_q = functools.partial(descriptor, block=[1, 1, bm, D], view=([B, H, N_Q, D], [*q_strides, 1]))
         describe_kv = functools.partial(descriptor, block=[1, 1, bn, D], view=([B, H_KV, N_K, D], [*kv_strides, 1]))
         descriptors = {"q_ptr": describe_q, "k_ptr": describe_kv, "v_ptr": describe_kv}
         self._fwd = Launcher(_fwd_kernel, grid, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr"),
                              descriptors=descriptors if self.tma else None, acc_ptr=None, MERGE=False, TMA=self.tma,
-                             WS=specialize, **fwd)
+                             **fwd)
+        if self.gluon:
+            self._fwd = self._gluon_forward(bn, stages, q_strides)
         self._merge = Launcher(_fwd_kernel, grid, ("q_ptr", "k_ptr", "v_ptr", "lse_ptr", "acc_ptr"), o_ptr=None,
-                               MERGE=True, TMA=False, WS=False, **fwd)
+                               MERGE=True, TMA=False, **fwd)
         self._pre = Launcher(_bwd_preprocess, (cdiv(N_Q, 64), B * H), ("o_ptr", "do_ptr", "delta_ptr"), N=N_Q,
                              stride_ob=q_strides[0], stride_oh=q_strides[1], stride_on=q_strides[2], H=H, BLOCK_M=64,
                              HEAD_DIM=D, num_warps=4)
@@ -600,6 +596,26 @@ class AttentionPlan:
                                   num_stages=stages, **self.sizes) for acc in (False, True)}
 
         self._dkdv, self._dq = bwd("dkdv", True), bwd("dq", False)
+
+    def _gluon_forward(self, block_n: int, stages: int, out_strides: tuple[int, int, int]) -> Launcher:
+        """The warp-specialised forward (`flash_hopper`): q read as a matrix of D-wide rows, k and v per head."""
+        D = self.D
+        smem = 2 * (2 * 64 * D + stages * 2 * block_n * D) + 1024  # q's halves, k and v per stage, barriers
+        if smem > 227 * 1024:
+            raise PKError(f"{self.op}: the Gluon forward's {stages} stages of {block_n}-key tiles at head dim {D} "
+                          f"need {smem // 1024} KB of shared memory (at most 227 KB): fewer stages or keys")
+        qv, kvv = flash_hopper.views(self.q_shape, self.layout), flash_hopper.views(self.kv_shape, self.layout)
+        kv = flash_hopper.describer(self.dtype, (1, block_n, D), kvv["rows"])
+        descriptors = {"q_desc": flash_hopper.describer(self.dtype, (64, D), qv["matrix"]), "k_desc": kv,
+                       "v_desc": kv}
+        grid = (cdiv(self.N_Q, flash_hopper.BLOCK_M), self.B * self.H)
+        # 4 warps per consumer group and a producer warp: three warp groups sharing the SM's 64K registers
+        return Launcher(flash_hopper._fwd_ws_kernel, grid, ("q_desc", "k_desc", "v_desc", "o_ptr", "lse_ptr"),
+                        descriptors, H=self.H, GROUP=self.H // self.H_KV, N_Q=self.N_Q, N_K=self.N_K,
+                        q_rows_b=qv["per_b"], q_rows_h=qv["per_h"], kv_outer_b=kvv["outer_b"],
+                        kv_outer_h=kvv["outer_h"], q_cols=qv["cols"], kv_cols=kvv["cols"], stride_ob=out_strides[0],
+                        stride_oh=out_strides[1], stride_on=out_strides[2], qk_scale=self.scale * LOG2E,
+                        CAUSAL=self.causal, STAGES=stages, num_warps=4, maxnreg=168)
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if q.shape != self.q_shape or k.shape != self.kv_shape or v.shape != self.kv_shape or q.dtype != self.dtype \

@@ -157,7 +157,7 @@ def _ring_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, acc_ptr, H, GROUP, N_Q
             if compute != 0:
                 tiles_m = tl.cdiv(N_Q, BLOCK_M)
                 for task in range(pid - num_comm, num_tasks, tl.num_programs(0) - num_comm):
-                    flash.fwd_task(F, flash.FwdTiles(CAUSAL, False, False, MERGE, FINAL, BLOCK_M, BLOCK_N, HEAD_DIM),
+                    flash.fwd_task(F, flash.FwdTiles(CAUSAL, False, MERGE, FINAL, BLOCK_M, BLOCK_N, HEAD_DIM),
                                    task % tiles_m, task // tiles_m)
     meeting.end(call)
 
