@@ -576,11 +576,9 @@ class AttentionPlan:
         describe_q = functools.partial(descriptor, block=[1, 1, bm, D], view=([B, H, N_Q, D], [*q_strides, 1]))
         describe_kv = functools.partial(descriptor, block=[1, 1, bn, D], view=([B, H_KV, N_K, D], [*kv_strides, 1]))
         descriptors = {"q_ptr": describe_q, "k_ptr": describe_kv, "v_ptr": describe_kv}
-        self._fwd = Launcher(_fwd_kernel, grid, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr"),
-                             descriptors=descriptors if self.tma else None, acc_ptr=None, MERGE=False, TMA=self.tma,
-                             **fwd)
-        if self.gluon:
-            self._fwd = self._gluon_forward(bn, stages, q_strides)
+        self._fwd = self._gluon_forward(bn, stages, q_strides) if self.gluon else \
+            Launcher(_fwd_kernel, grid, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr"),
+                     descriptors=descriptors if self.tma else None, acc_ptr=None, MERGE=False, TMA=self.tma, **fwd)
         self._merge = Launcher(_fwd_kernel, grid, ("q_ptr", "k_ptr", "v_ptr", "lse_ptr", "acc_ptr"), o_ptr=None,
                                MERGE=True, TMA=False, **fwd)
         self._pre = Launcher(_bwd_preprocess, (cdiv(N_Q, 64), B * H), ("o_ptr", "do_ptr", "delta_ptr"), N=N_Q,
@@ -600,7 +598,7 @@ class AttentionPlan:
     def _gluon_forward(self, block_n: int, stages: int, out_strides: tuple[int, int, int]) -> Launcher:
         """The warp-specialised forward (`flash_hopper`): q read as a matrix of D-wide rows, k and v per head."""
         D = self.D
-        smem = 2 * (2 * 64 * D + stages * 2 * block_n * D) + 1024  # q's halves, k and v per stage, barriers
+        smem = flash_hopper.shared_bytes(D, block_n, stages)
         if smem > 227 * 1024:
             raise PKError(f"{self.op}: the Gluon forward's {stages} stages of {block_n}-key tiles at head dim {D} "
                           f"need {smem // 1024} KB of shared memory (at most 227 KB): fewer stages or keys")

@@ -37,7 +37,7 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-    from ..gemm.pingpong import HostDescriptor, _tma_load
+    from ..gemm.pingpong import _tma_load
 
     @gluon.jit
     def _tile_and_head(CAUSAL: gl.constexpr):
@@ -243,14 +243,11 @@ def shared_layout(dtype: torch.dtype, block: tuple[int, ...]):
 
 def describer(dtype: torch.dtype, block: tuple[int, ...], view: tuple[list[int], list[int]]):
     """The function making a TMA descriptor over a contiguous q, k or v read as `view` (shape, strides; `views`)
-    in blocks of `block`, for `Launcher`'s `descriptors` (built without the class's checks, as `pingpong`'s are:
-    the plan checked the tensors)."""
-    layout = shared_layout(dtype, tuple(block))
+    in blocks of `block`, for `Launcher`'s `descriptors` (the plan checked the tensors)."""
+    return functools.partial(pingpong.descriptor, block=list(block), layout=shared_layout(dtype, tuple(block)),
+                             view=view)
 
-    def describe(t: torch.Tensor) -> HostDescriptor:
-        desc = object.__new__(HostDescriptor)
-        desc.base, (desc.shape, desc.strides) = t, view
-        desc.block_shape, desc.layout, desc.padding = list(block), layout, "zero"
-        return desc
 
-    return describe
+def shared_bytes(head_dim: int, block_n: int, stages: int, itemsize: int = 2) -> int:
+    """Shared memory the kernel needs: the query tile's two halves, K and V per stage, and the barriers."""
+    return itemsize * (BLOCK_M * head_dim + stages * 2 * block_n * head_dim) + 1024

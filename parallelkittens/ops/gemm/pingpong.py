@@ -155,16 +155,18 @@ def describers(dtype: torch.dtype, bm: int, bn: int, bk: int) -> tuple:
     (`ops.gemm.matmul`'s docstring says why), for `Launcher`'s `descriptors`; the operands are contiguous,
     16-byte aligned and not empty."""
     a_layout, b_layout, c_layout = layouts(dtype, bm, bn, bk)
-    return (functools.partial(_descriptor, block=[bm, bk], layout=a_layout),
-            functools.partial(_descriptor, block=[bk, bn], layout=b_layout),
-            functools.partial(_descriptor, block=[bm, bn], layout=c_layout))
+    return (functools.partial(descriptor, block=[bm, bk], layout=a_layout),
+            functools.partial(descriptor, block=[bk, bn], layout=b_layout),
+            functools.partial(descriptor, block=[bm, bn], layout=c_layout))
 
 
-def _descriptor(t: torch.Tensor, block: list[int], layout) -> HostDescriptor:
-    """Built without the class's own checks (3 µs each on the host), as `ops.gemm.matmul.descriptor` is."""
+def descriptor(t: torch.Tensor, block: list[int], layout, view: tuple[list[int], list[int]] | None = None
+               ) -> HostDescriptor:
+    """A Gluon TMA descriptor over `t` (or over `view` = (shape, strides) of it), built without the class's own
+    checks (3 µs each on the host), as `ops.gemm.matmul.descriptor` is."""
     desc = object.__new__(HostDescriptor)
-    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout = t, t.shape, t.stride(), block, layout
-    desc.padding = "zero"
+    desc.base, (desc.shape, desc.strides) = t, view or (t.shape, t.stride())
+    desc.block_shape, desc.layout, desc.padding = block, layout, "zero"
     return desc
 
 
