@@ -77,7 +77,7 @@ def test_flash_attention_matches_float64():
 
 def _load_paths() -> list[str]:
     """The forward with Q, K and V read through pointers, through TMA descriptors, and the warp-specialised Gluon
-    kernel (FWD_LOADS; on the CPU "gluon" falls back to TMA), each against float64: grouped-query heads, ragged
+    kernel (FWD_LOADS; on the CPU "gluon" falls back to pointers), each against float64: grouped-query heads, ragged
     ends, both layouts, causal or not; on a GPU also sequences of many key tiles (the stages' ring wraps)."""
     from parallelkittens.ops.attention import flash
 
@@ -216,6 +216,19 @@ def _world_one_is_the_kernel() -> list[str]:
 def test_world_one_equals_the_plain_kernel_exactly():
     failures = pk.spawn(_world_one_is_the_kernel, 1)[0]
     assert not failures, "; ".join(failures)
+
+
+def test_one_block_of_positions_is_the_plain_call():
+    """Zigzag at one rank (chunks 0 and 1) is one block from 0, however spelled: the plan takes the plain call's
+    positions, hence its kernel (on Hopper the Gluon forward); two real segments stay as they are."""
+    from parallelkittens.ops.attention import flash
+    from parallelkittens.ops.attention.ring import segments
+
+    assert flash._segments(segments("zigzag", 1, 0, 18), 18) == (18, 0, 0)
+    assert flash._segments(segments("contiguous", 1, 0, 18), 18) == (18, 0, 0)
+    assert flash._segments(None, 7) == (7, 0, 0)
+    assert flash._segments(segments("zigzag", 2, 0, 18), 18) == (9, 0, 27)
+    assert flash._segments(segments("contiguous", 2, 1, 18), 18) == (18, 18, 0)
 
 
 def _exchange_is_real() -> list[bool]:

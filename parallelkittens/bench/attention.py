@@ -109,8 +109,19 @@ def _sdpa(backend, causal: bool):
     return run
 
 
+def _seqs(default: list[int]) -> list[int]:
+    """The sweep's sequence lengths, or PK_BENCH_SEQS's."""
+    import parallelkittens as pk
+
+    chosen = pk.context().settings.bench_seqs
+    try:
+        return [int(n) for n in chosen.split(",")] if chosen else default
+    except ValueError:
+        raise pk.PKError(f"PK_BENCH_SEQS={chosen!r} is not a comma-separated list of sequence lengths") from None
+
+
 def _kernel_rank() -> list[dict]:
-    return _run_cases("attention", [(n, c) for n in SEQS for c in (False, True)], _kernel_case)
+    return _run_cases("attention", [(n, c) for n in _seqs(SEQS) for c in (False, True)], _kernel_case)
 
 
 def _kernel_case(n: int, causal: bool) -> dict:
@@ -242,7 +253,7 @@ def _ring_rank() -> list[dict]:
 
     world = pk.context().local_world_size
     full = pk.context().settings.bench_full
-    return _run_cases("ring_attention", [(n, c) for n in RING_SEQS for c in (False, True)
+    return _run_cases("ring_attention", [(n, c) for n in _seqs(RING_SEQS) for c in (False, True)
                                          if full or _flops(B, H, n, c) / world <= MAX_FWD_FLOP], _ring_case)
 
 
@@ -256,11 +267,17 @@ def _ring_case(n: int, causal: bool) -> dict:
     layout = "zigzag" if causal else "contiguous"
     q, k, v = (torch.randn(B, H, n // world, D, device=ctx.device, dtype=torch.bfloat16) for _ in range(3))
     row = {"N": n, "causal": causal, "layout": layout}
-    row["ours_fwd_ms"] = _time_ms(lambda: ring_attention(q, k, v, causal, layout=layout))
-    row["ours_bwd_ms"] = _time_ms(_backward_of(lambda *t: ring_attention(*t, causal, layout=layout), q, k, v))
+    timed = {"ours_fwd_ms": lambda: ring_attention(q, k, v, causal, layout=layout),
+             "ours_bwd_ms": _backward_of(lambda *t: ring_attention(*t, causal, layout=layout), q, k, v)}
+    if world == 1:  # the same kernel on both sides: timed in turns, each side's median, as `bench attention`
+        timed.update(kernel_fwd_ms=lambda: attention(q, k, v, causal),
+                     kernel_bwd_ms=_backward_of(lambda *t: attention(*t, causal), q, k, v))
+    times = {key: [] for key in timed}
+    for _ in range(ROUNDS if world == 1 else 1):
+        for key, call in timed.items():
+            times[key].append(_time_ms(call))
+    row.update({key: statistics.median(ms) for key, ms in times.items()})
     if world == 1:
-        row["kernel_fwd_ms"] = _time_ms(lambda: attention(q, k, v, causal))
-        row["kernel_bwd_ms"] = _time_ms(_backward_of(lambda *t: attention(*t, causal), q, k, v))
         row["vs_kernel_fwd"] = row["ours_fwd_ms"] / row["kernel_fwd_ms"]
         row["vs_kernel_bwd"] = row["ours_bwd_ms"] / row["kernel_bwd_ms"]
         row["pass"] = max(row["vs_kernel_fwd"], row["vs_kernel_bwd"]) <= 1.05
@@ -311,7 +328,7 @@ def _ulysses_rank() -> list[dict]:
 
     world = pk.context().local_world_size
     full = pk.context().settings.bench_full
-    return _run_cases("ulysses_attention", [(n, c) for n in RING_SEQS for c in (False, True)
+    return _run_cases("ulysses_attention", [(n, c) for n in _seqs(RING_SEQS) for c in (False, True)
                                             if full or _flops(1, ULYSSES_HEADS, n, c) / world <= MAX_FWD_FLOP],
                       _ulysses_case)
 

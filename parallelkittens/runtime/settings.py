@@ -42,6 +42,8 @@ VARIABLES: dict[str, tuple[str, object, str]] = {
     "PK_BENCH_MAX_ITERS": ("bench_max_iters", 200, "most calls a benchmark times back to back per measurement"),
     "PK_BENCH_FULL": ("bench_full", False, "`1`: the attention benchmarks also run the sequences whose forward takes "
                                            "over about a second per GPU"),
+    "PK_BENCH_SEQS": ("bench_seqs", "", "comma-separated total sequence lengths the attention benchmarks run instead "
+                                        "of their sweep (for example `4096,8192`)"),
     "PK_JOB_ID": ("job_id", "", "set by `spawn()` for its ranks: names the job's shared-memory files"),
 }
 
@@ -62,6 +64,7 @@ class Settings:
     one_shot_bytes: int = 256 * 1024
     bench_max_iters: int = 200
     bench_full: bool = False
+    bench_seqs: str = ""
     job_id: str = ""
 
     @classmethod

@@ -262,7 +262,7 @@ class RingAttentionPlan:
         grads = heap().pool("attention.grads", 4 * kv_numel * 4)  # dK and dV in fp32, two of each
         self._dk = [grads.view(kv_shape, torch.float32, i * kv_numel * 4) for i in (0, 2)]
         self._dv = [grads.view(kv_shape, torch.float32, i * kv_numel * 4) for i in (1, 3)]
-        bm, bn, warps, stages = self.local.tiles["fwd"]
+        bm, bn, warps, stages, *_ = self.local.tiles["fwd"]  # the ring's kernel is Triton's
         comm = num_comm_sms if num_comm_sms is not None else max(1, num_sms() // 16)
         fwd_tasks = cdiv(n, bm) * B * H
         sizes = dict(self.local.sizes)

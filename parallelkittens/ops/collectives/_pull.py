@@ -40,7 +40,7 @@ from ...runtime.device import num_sms
 from ...runtime.errors import PKError
 from ...runtime.heap import Block, heap
 from ...runtime.launch import Launcher
-from ...runtime.memory import owner_of
+from ...runtime.memory import owner_at
 from ...runtime.sizes import next_power_of_2
 from ...template import meeting
 from .. import plan as plans
@@ -265,12 +265,13 @@ class Staging:
         self.handle = self.block.handle
 
 
-def source(op: str, x: torch.Tensor, zero_copy: bool, staging: Staging | None, any_handle: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def source(op: str, x: torch.Tensor, layout: tuple[tuple[int, ...], torch.dtype], zero_copy: bool,
+           staging: Staging | None, any_handle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(pointer, handle) where peers read `x`: in place (its parallel tensor), the staging buffer (the kernel copies
-    `x` there), or, at one rank, `x` itself with any handle (a rank reading its own buffer translates by zero)."""
+    `x` there), or, at one rank, `x` itself with any handle (a rank reading its own buffer translates by zero).
+    `x` has passed `check_call` against the plan's `layout` (shape, dtype)."""
     if zero_copy:
-        owner = owner_of(x)
+        owner = owner_at(x.data_ptr(), *layout)
         if owner is None:
             raise PKError(f"{op}: this plan reads a parallel tensor in place; x is not one")
         return x, owner.handle
@@ -341,7 +342,7 @@ class PullPlan:
                 check_out(self.op, out, self.out_shape, self.dtype)
             if self._pull is None:
                 return out
-            src, handle = source(self.op, x, self.zero_copy, self._staging, self._any_handle)
+            src, handle = source(self.op, x, (self.shape, self.dtype), self.zero_copy, self._staging, self._any_handle)
         except PKError as e:
             plans.refuse(int(self._pull is not None), e)
         self._pull(x, src, handle, out)

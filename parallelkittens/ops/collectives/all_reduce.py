@@ -81,7 +81,7 @@ class AllReducePlan:
                 check_out(self.op, out, self.shape, self.dtype)
             if self._pull is None:
                 return out
-            src, handle = source(self.op, x, self.zero_copy, self._staging, self._any_handle)
+            src, handle = source(self.op, x, (self.shape, self.dtype), self.zero_copy, self._staging, self._any_handle)
         except PKError as e:
             plans.refuse(int(self._pull is not None), e)
         pull = self._in_place if out is x and self._in_place is not None else self._pull
