@@ -141,18 +141,15 @@ class ParallelTensor:
 
 def owner_of(t: torch.Tensor) -> ParallelTensor | None:
     """The live parallel tensor whose whole local buffer `t` is (same start, shape and dtype), if any."""
-    pt = _by_address.get(t.data_ptr())  # a dictionary, not a scan: this runs on every collective call
-    if pt is not None and pt._peers is not None and pt._layout == (tuple(t.shape), t.dtype) \
-            and pt._device == t.device and t.is_contiguous():
-        return pt
-    return None
+    pt = owner_at(t.data_ptr(), tuple(t.shape), t.dtype)
+    return pt if pt is not None and pt._device == t.device and t.is_contiguous() else None
 
 
 def owner_at(address: int, shape: tuple[int, ...], dtype: torch.dtype) -> ParallelTensor | None:
     """`owner_of` for a tensor already checked to be contiguous, on this rank's device, of `shape` and `dtype`
     (a plan's per-call check does that): the live parallel tensor whose local buffer starts at `address` and has
     that shape and dtype, if any. Cheaper than `owner_of` by the checks it skips."""
-    pt = _by_address.get(address)
+    pt = _by_address.get(address)  # a dictionary, not a scan: this runs on every collective call
     return pt if pt is not None and pt._peers is not None and pt._layout == (shape, dtype) else None
 
 
