@@ -60,7 +60,6 @@ def _diagnose_collective() -> list[dict]:
     """all_gather of 4 KB on a plain tensor, layer by layer: at one rank, or at 2 sharing the GPU (where each call
     waits for the GPU to switch between the ranks' processes, so fewer calls per round)."""
     import parallelkittens as pk
-    from parallelkittens.ops.collectives._pull import source
 
     ctx = pk.context()
     calls = CALLS if ctx.local_world_size == 1 else 50
@@ -68,7 +67,7 @@ def _diagnose_collective() -> list[dict]:
     out = torch.empty(2048 * ctx.local_world_size, device="cuda", dtype=torch.bfloat16)
     plan = pk.ops.all_gather.plan(x)
     pull = plan._pull
-    src, handle = source("all_gather", x, plan.zero_copy, plan._staging, plan._any_handle)  # as the plan's call does
+    src, handle = plan.source(x)  # as the plan's call does
     cases = {
         "pk.ops.all_gather(x)": lambda: pk.ops.all_gather(x),
         "plan(x)": lambda: plan(x),

@@ -1,14 +1,14 @@
-"""Time the flash kernel's tile choices on this GPU, beside torch's sdpa backends, to pick `flash._tiles`.
+"""Time the flash kernel's tile choices on this GPU, beside torch's sdpa backends, to pick `attention.default_tiles`.
 
     python scripts/tune_attention.py [N ...]      (default N = 8192; B 16, H 16, D 128, bf16)
 
 Prints forward and backward TFLOP/s of each (BLOCK_M, BLOCK_N, warps, stages), causal and not, and the best of each
 kernel; each forward is first checked against torch's output (a wrong one is reported, not timed). The backward's
-dK/dV and dQ kernels are timed separately (their tiles are chosen separately: `flash._tiles`' "bwd" and "dq").
-TUNE_BEFORE=module times another version of the kernels too (a copy of flash.py kept under another name, with its
-own tiles and without the custom-op registrations), for an A/B of a kernel change in one run. TUNE_FWD and TUNE_BWD
+dK/dV and dQ kernels are timed separately (their tiles are chosen separately: `default_tiles`' "bwd" and "dq").
+TUNE_BEFORE=module times another version of the plan too (a copy of ops/attention/attention.py kept under another
+name, with its own tiles and no op declaration), for an A/B of a kernel change in one run. TUNE_FWD and TUNE_BWD
 ("128,128,8,3;64,64,4,2", or empty for none) replace the lists of configurations timed; a forward's may name its
-loads fifth ("128,128,8,3,tma", or "128,128,4,2,gluon" for the warp-specialised Gluon forward: `flash.FWD_LOADS`).
+kernel fifth ("128,128,4,2,gluon" for the warp-specialised Gluon forward: `attention.FWD_KERNELS`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import triton
 
 import parallelkittens as pk
-from parallelkittens.ops.attention import flash
+from parallelkittens.ops.attention import attention
 
 # (BLOCK_M, BLOCK_N, warps, stages). Also tried on an H200 (2026-12-06) and dropped: starting the next key tile's
 # scores before this tile's softmax (FA3's overlap, by hand) was 1-4% slower; (128, 64, 8, 2) 10-15% slower.
@@ -46,19 +46,19 @@ def _ms(fn) -> float:
 
 def _fwd_ms(module, shapes, causal: bool, tiles: dict | None, q, k, v, ref=None) -> float:
     """Milliseconds per forward; with `ref` (torch's output) checked first: a wrong kernel raises, is not timed."""
-    plan = module.AttentionPlan(*shapes, q.dtype, causal, q.shape[-1] ** -0.5, tiles=tiles)
+    plan = module.AttentionPlan(q, k, v, causal, q.shape[-1] ** -0.5, tiles=tiles)
     if ref is not None:
-        out = plan.forward(q, k, v)[0].float()
+        out = plan(q, k, v)[0].float()
         err = float((out - ref).norm() / ref.norm())
         if not err < 1e-2:  # bf16 outputs of two correct kernels differ by about 3e-3
             raise ValueError(f"wrong result: relative error {err:.2e} against torch's sdpa")
-    return _ms(lambda: plan.forward(q, k, v))
+    return _ms(lambda: plan(q, k, v))
 
 
 def _bwd_ms(module, shapes, causal: bool, tiles: dict | None, q, k, v, do) -> tuple[float, float]:
     """(dK/dV ms, dQ ms) of `module`'s kernels with `tiles`."""
-    plan = module.AttentionPlan(*shapes, q.dtype, causal, q.shape[-1] ** -0.5, tiles=tiles)
-    out, lse = plan.forward(q, k, v)
+    plan = module.AttentionPlan(q, k, v, causal, q.shape[-1] ** -0.5, tiles=tiles)
+    out, lse = plan(q, k, v)
     delta = plan.delta(out, do)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     args = (q, k, v, do, lse, delta, dq, dk, dv)
@@ -94,14 +94,14 @@ def main() -> None:
             ref = sdpa(q, k, v, is_causal=causal).float()
             for tiles in fwd_configs:
                 try:
-                    ms = _fwd_ms(flash, shapes, causal, {"fwd": tiles, "bwd": BWD[0]}, q, k, v, ref)
+                    ms = _fwd_ms(attention, shapes, causal, {"fwd": tiles, "bwd": BWD[0]}, q, k, v, ref)
                     print(f"{say} fwd {tiles} {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
                     best["fwd"] = min(best.get("fwd", (ms, tiles)), (ms, tiles))
                 except Exception as e:  # noqa: BLE001 - a configuration that does not fit (or is wrong): say so, go on
                     print(f"{say} fwd {tiles} failed: {str(e).splitlines()[0][:100]}", flush=True)
             for tiles in bwd_configs:
                 try:
-                    ms_kv, ms_q = _bwd_ms(flash, shapes, causal, {"fwd": FWD[0], "bwd": tiles}, q, k, v, do)
+                    ms_kv, ms_q = _bwd_ms(attention, shapes, causal, {"fwd": FWD[0], "bwd": tiles}, q, k, v, do)
                     # dK/dV does 4 of the backward's 5 products' worth (2 + 2 of 2.5 x forward), dQ 3 of them
                     print(f"{say} bwd {tiles} dkdv {2.0 * flops / ms_kv / 1e9:.0f} "
                           f"dq {1.5 * flops / ms_q / 1e9:.0f} TFLOP/s (ms {ms_kv:.2f} + {ms_q:.2f})", flush=True)

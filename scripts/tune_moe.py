@@ -19,11 +19,11 @@ import triton
 
 import parallelkittens as pk
 from parallelkittens.bench.moe import SHAPES, _routing
-from parallelkittens.ops.moe import dispatch as moe_dispatch
+from parallelkittens.ops.moe.grouped import GroupedGemm
 
-# (BN, BK, stages, warps, programs per SM, B through a tensor descriptor); BM is the layout's tile height (128 here)
-DEFAULT = (128, 64, 3, 8, 1, False)
-CONFIGS = [DEFAULT] + [c for c in itertools.product((128, 256), (64, 128), (3, 4, 5), (4, 8), (1, 2), (True, False))
+# (BN, BK, stages, warps, programs per SM); BM is the layout's tile height (128 here)
+DEFAULT = (256, 64, 3, 8, 1)
+CONFIGS = [DEFAULT] + [c for c in itertools.product((128, 256), (64, 128), (3, 4, 5), (4, 8), (1, 2))
                        if c != DEFAULT and not (c[0] == 256 and c[3] == 4) and (c[0] * c[1] <= 128 * 64 or c[2] == 3)]
 CONFIGS.sort(key=lambda c: sum(a != b for a, b in zip(c, DEFAULT, strict=True)))  # one change at a time first
 
@@ -43,40 +43,41 @@ def _rank() -> None:
         pairs = rows.shape[0]
         identity = torch.arange(pairs, device="cuda", dtype=torch.int32)
         out = torch.empty(pairs, inner, device="cuda", dtype=torch.bfloat16)
-        gemm = moe_dispatch.plan(x, w1, layout).gemm
         offs = torch.tensor(layout.expert_offsets[1:], device="cuda", dtype=torch.int32)
         reference = torch._grouped_mm(rows, w1, offs=offs)
         flops = 2 * pairs * H * inner
         theirs = flops / triton.testing.do_bench(lambda: torch._grouped_mm(rows, w1, offs=offs)) / 1e9  # noqa: B023
 
-        def run():
-            gemm(a=rows, b=w1, out=out, out_handle=None, row_index=identity, row_src=layout.row_src,  # noqa: B023
-                 tile_expert=layout.tile_expert, tile_start=layout.tile_start, tile_end=layout.tile_end,  # noqa: B023
-                 num_row_tiles=layout.num_row_tiles)  # noqa: B023
-
         results = []
-        for bn, bk, stages, warps, per_sm, tma in CONFIGS:
+        for config in CONFIGS:
             if time.monotonic() - began > budget:
                 print(f"  (budget of {budget:.0f} s spent: the rest not tried)")
                 break
-            gemm.BN, gemm.BK, gemm.num_stages, gemm.num_warps, gemm.programs_per_sm = bn, bk, stages, warps, per_sm
-            gemm.tma_b = tma
+            # the GEMM alone (no tokens to pull), on this configuration's tiles
+            gemm = GroupedGemm("tune_moe", True, H, inner, 0, torch.bfloat16, layout.block_rows, 0, tiles=config)
+
+            def run(gemm=gemm):
+                gemm(a=rows, b=w1, out=out, row_index=identity, row_src=layout.row_src,  # noqa: B023
+                     tile_expert=layout.tile_expert, tile_start=layout.tile_start, tile_end=layout.tile_end,  # noqa: B023
+                     num_row_tiles=layout.num_row_tiles)  # noqa: B023
+
+            bn, bk, stages, warps, per_sm = config
             try:
                 out.fill_(float("nan"))
                 run()
                 err = float((out.float() - reference.float()).norm() / reference.float().norm())
                 ms = triton.testing.do_bench(run)
-                results.append((flops / ms / 1e9, err, (bn, bk, stages, warps, per_sm, tma)))
+                results.append((flops / ms / 1e9, err, config))
             except Exception as e:  # out of shared memory and the like: say so and go on
-                print(f"  BN {bn} BK {bk} stages {stages} warps {warps} x{per_sm} tma {tma}: {type(e).__name__}: "
+                print(f"  BN {bn} BK {bk} stages {stages} warps {warps} x{per_sm}: {type(e).__name__}: "
                       f"{str(e)[:90]}")
         default = next((r for r in results if r[2] == DEFAULT), None)
-        print(f"{name} ({pairs} rows, K {H}, N {inner}, {E} experts, BM {gemm.BM}): torch._grouped_mm {theirs:.0f} "
-              f"TFLOP/s; default {default[0] if default else float('nan'):.0f}", flush=True)
-        for tflops, err, (bn, bk, stages, warps, per_sm, tma) in sorted(results, key=lambda r: -r[0])[
+        print(f"{name} ({pairs} rows, K {H}, N {inner}, {E} experts, BM {layout.block_rows}): torch._grouped_mm "
+              f"{theirs:.0f} TFLOP/s; default {default[0] if default else float('nan'):.0f}", flush=True)
+        for tflops, err, (bn, bk, stages, warps, per_sm) in sorted(results, key=lambda r: -r[0])[
                 :int(os.environ.get("TUNE_TOP", 6))]:
             print(f"   {tflops:6.0f} ({tflops / theirs:.3f})  BN {bn} BK {bk} stages {stages} warps {warps} "
-                  f"programs/SM {per_sm} tma_b {tma}  rel.err {err:.1e}", flush=True)
+                  f"programs/SM {per_sm}  rel.err {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":

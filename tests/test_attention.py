@@ -10,8 +10,16 @@ from conftest import worlds
 
 import parallelkittens as pk
 from parallelkittens.ops.attention.flash import reference_attention
-from parallelkittens.ops.attention.ring import LAYOUTS, blocks_computed
-from parallelkittens.testing import check_close, first_mismatch, poison, rank_data, relative_error, shared_seed
+from parallelkittens.ops.attention.ring import LAYOUTS
+from parallelkittens.testing import (
+    blocks_computed,
+    check_close,
+    first_mismatch,
+    poison,
+    rank_data,
+    relative_error,
+    shared_seed,
+)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32) if torch.cuda.is_available() else (torch.float32,
                                                                                                torch.bfloat16)
@@ -76,10 +84,10 @@ def test_flash_attention_matches_float64():
 
 
 def _load_paths() -> list[str]:
-    """The forward with Q, K and V read through pointers, through TMA descriptors, and the warp-specialised Gluon
-    kernel (FWD_LOADS; on the CPU "gluon" falls back to pointers), each against float64: grouped-query heads, ragged
-    ends, both layouts, causal or not; on a GPU also sequences of many key tiles (the stages' ring wraps)."""
-    from parallelkittens.ops.attention import flash
+    """The forward's kernels, Triton's and the warp-specialised Gluon one (FWD_KERNELS; on the CPU "gluon" falls
+    back to Triton's), each against float64: grouped-query heads, ragged ends, both layouts, causal or not; on a GPU
+    also sequences of many key tiles (the stages' ring wraps)."""
+    from parallelkittens.ops.attention import attention
 
     pk.init()
     dev, failures = pk.context().device, []
@@ -96,13 +104,13 @@ def _load_paths() -> list[str]:
             ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal)
             if layout == "BSHD":  # (B, N, H, D), read in place
                 q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-            tiles = flash._tiles(dev, D, dtype)
-            for loads in flash.FWD_LOADS:
-                plan = flash.AttentionPlan(q.shape, k.shape, dtype, causal, D ** -0.5, layout=layout,
-                                           tiles={**tiles, "fwd": (*tiles["fwd"][:4], loads)})
+            tiles = attention.default_tiles(dev, D, dtype)
+            for loads in attention.FWD_KERNELS:
+                plan = attention.AttentionPlan(q, k, v, causal, D ** -0.5, layout=layout,
+                                               tiles={**tiles, "fwd": (*tiles["fwd"][:4], loads)})
                 # poison: the forward's outputs come from the blocks these free, so a row never written stays NaN
                 torch.full_like(q, float("nan")), torch.full(plan.lse_shape(), float("nan"), device=dev)
-                out, lse = plan.forward(q, k, v)
+                out, lse = plan(q, k, v)
                 out = out.transpose(1, 2) if layout == "BSHD" else out
                 what = f"{loads} B{B} Hq{Hq} Hkv{Hkv} Nq{Nq} Nk{Nk} D{D} causal={causal} {layout}"
                 failures += [p for p in (check_attention(f"{what} out", out, ref_out, dtype),
@@ -221,14 +229,14 @@ def test_world_one_equals_the_plain_kernel_exactly():
 def test_one_block_of_positions_is_the_plain_call():
     """Zigzag at one rank (chunks 0 and 1) is one block from 0, however spelled: the plan takes the plain call's
     positions, hence its kernel (on Hopper the Gluon forward); two real segments stay as they are."""
-    from parallelkittens.ops.attention import flash
+    from parallelkittens.ops.attention import attention
     from parallelkittens.ops.attention.ring import segments
 
-    assert flash._segments(segments("zigzag", 1, 0, 18), 18) == (18, 0, 0)
-    assert flash._segments(segments("contiguous", 1, 0, 18), 18) == (18, 0, 0)
-    assert flash._segments(None, 7) == (7, 0, 0)
-    assert flash._segments(segments("zigzag", 2, 0, 18), 18) == (9, 0, 27)
-    assert flash._segments(segments("contiguous", 2, 1, 18), 18) == (18, 18, 0)
+    assert attention.segments_of(segments("zigzag", 1, 0, 18), 18) == (18, 0, 0)
+    assert attention.segments_of(segments("contiguous", 1, 0, 18), 18) == (18, 0, 0)
+    assert attention.segments_of(None, 7) == (7, 0, 0)
+    assert attention.segments_of(segments("zigzag", 2, 0, 18), 18) == (9, 0, 27)
+    assert attention.segments_of(segments("contiguous", 2, 1, 18), 18) == (18, 18, 0)
 
 
 def _exchange_is_real() -> list[bool]:

@@ -1,5 +1,5 @@
 """Compile the primitives for sm_90 without a GPU and check the PTX: release/acquire at system scope, bulk
-copies waited for before a signal, TMA where asked for, and every wait bounded (a timer read)."""
+copies waited for before a signal, TMA where asked for, and every wait loop bounded (a timer read inside it)."""
 
 import json
 import os
@@ -38,9 +38,20 @@ def test_signals_order_memory_at_system_scope(hot, kernel):
 
 
 @pytest.mark.parametrize("kernel", SIGNALLING)
-def test_every_wait_is_bounded(hot, kernel):
-    # the clock is read only after a first poll fails (language/signals.py), so a met counter costs one load
-    assert "globaltimer" in hot[kernel]
+def test_every_wait_is_bounded(compiled, kernel):
+    # every loop polling memory at system scope reads the clock inside it; the clock is read only after a first
+    # poll fails (language/signals.py), so a met counter costs one load
+    polling, timed = compiled["polling_loops"][kernel]
+    assert polling > 0 and timed == polling, f"{kernel}: {polling - timed} of {polling} polling loops read no clock"
+
+
+def test_the_bound_check_sees_a_loop_without_a_clock():
+    from parallelkittens.testing.compile_check import polling_loops
+
+    loop = "$L__BB0_1:\n  ld.global.acquire.sys.b32 %r1, [%rd1];\n  @%p1 bra $L__BB0_1;\n"
+    timed = ("$L__BB0_2:\n  ld.global.acquire.sys.b32 %r1, [%rd1];\n  mov.u64 %rd2, %globaltimer;\n"
+             "  @%p1 bra $L__BB0_2;\n")
+    assert polling_loops(loop) == (1, 0) and polling_loops(timed) == (1, 1) and polling_loops(loop + timed) == (2, 1)
 
 
 @pytest.mark.parametrize("kernel", ["collective_pull", "collective_pull_copy", "collective_two_shot_staged"])
@@ -53,9 +64,8 @@ def test_tensor_descriptors_use_tma(hot):
     assert "tma_reduce" in hot["tma_store_add"]
 
 
-def test_attention_forward_uses_wgmma_and_tma_where_asked(hot):
+def test_attention_forward_uses_wgmma(hot):
     assert "wgmma" in hot["attention_forward"] and "tma_load" not in hot["attention_forward"]
-    assert "wgmma" in hot["attention_forward_tma"] and "tma_load" in hot["attention_forward_tma"]
 
 
 def test_store_add_is_a_system_scope_atomic(hot):
@@ -67,18 +77,18 @@ def test_gemm_core_uses_wgmma_and_tma(hot):
 
 
 def test_pingpong_gemm_is_warp_specialised(hot, compiled):
-    from parallelkittens.ops.gemm import pingpong
+    from parallelkittens.ops.descriptors import GLUON
 
-    if not pingpong.AVAILABLE:
+    if not GLUON:
         pytest.skip("this Triton has no Gluon warp specialisation")
     assert "wgmma" in hot["matmul_pingpong"] and "tma_store" in hot["matmul_pingpong"], hot["matmul_pingpong"]
     assert "setmaxnreg" in hot["matmul_pingpong"], "no register reallocation between the roles"
 
 
 def test_gluon_attention_forward_is_warp_specialised(hot, compiled):
-    from parallelkittens.ops.attention import flash_hopper
+    from parallelkittens.ops.descriptors import GLUON
 
-    if not flash_hopper.AVAILABLE:
+    if not GLUON:
         pytest.skip("this Triton has no Gluon warp specialisation")
     marks = hot["attention_forward_ws"]
     assert "wgmma" in marks and "tma_load" in marks and "setmaxnreg" in marks, marks

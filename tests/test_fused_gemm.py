@@ -298,8 +298,8 @@ def test_host_side_mismatch_is_reported_on_every_rank():
         for i, case in ((4, "empty on one rank"), (5, "empty shard on one rank"), (7, "buffers grow on one rank"),
                         (8, "tuning on one rank")):
             assert msgs[i].startswith(f"{case}: MismatchError"), msgs[i]
-        assert msgs[6].startswith("rows not divisible on one rank: PKError") and \
-            "do not divide by the world size 3" in msgs[6], msgs[6]
+        assert (msgs[6].startswith("rows not divisible on one rank: PKError")
+                and "do not divide by the world size 3" in msgs[6]), msgs[6]
         assert not any("yet grew" in m for m in msgs[:9]), msgs[:9]
         for msg in msgs[9:]:
             assert float(msg.rsplit(" ", 1)[1]) <= BOUND[torch.float16], msg

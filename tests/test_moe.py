@@ -34,8 +34,8 @@ def _routing(case: str, gen: torch.Generator, world: int, tokens: list[int]) -> 
             first = torch.randint(0, EXPERTS_PER_RANK - 1, (T, 1), generator=gen)
             pick = torch.cat([first, first + 1], 1) + rank * EXPERTS_PER_RANK
         else:
-            pick = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(T)]) if T else \
-                torch.zeros(0, TOP_K, dtype=torch.long)
+            pick = (torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(T)]) if T else
+                    torch.zeros(0, TOP_K, dtype=torch.long))
             if case == "one_expert":
                 pick[:, 0] = E - 1
                 pick[:, 1] = torch.where(pick[:, 1] == E - 1, 0, pick[:, 1])
@@ -60,8 +60,8 @@ def _reference(xs, ids, weights, kept, w1, w2, dys, me):
         outs.append(out)
     sum((o * dy.double()).sum() for o, dy in zip(outs, dys, strict=True)).backward()
     epr = EXPERTS_PER_RANK
-    return outs[me], xs[me].grad, w1.grad[me * epr:(me + 1) * epr], w2.grad[me * epr:(me + 1) * epr], \
-        weights[me].grad
+    return (outs[me], xs[me].grad, w1.grad[me * epr:(me + 1) * epr], w2.grad[me * epr:(me + 1) * epr],
+            weights[me].grad)
 
 
 def _case(case: str, dtype: torch.dtype, capacity: int | None) -> list[str]:
@@ -344,39 +344,3 @@ def _inside_a_module() -> list[str]:
 def test_layout_held_by_autograd_and_collective_backward(world):
     for rank, failures in enumerate(pk.spawn(_inside_a_module, world, timeout=600)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)
-
-
-def _tma_b_against_pointer_loads() -> list:
-    from parallelkittens.ops.moe import dispatch as moe_dispatch
-
-    dev = pk.context().device  # on a GPU: also that the descriptor path compiles and runs there
-    gen = torch.Generator().manual_seed(shared_seed())
-    E, K, N = 4, 64, 40  # N ragged against the tile: the descriptor pads the last tile's columns
-    ids = torch.randint(0, E - 1, (24, TOP_K), generator=gen)  # expert E-1 empty
-    layout = pk.ops.moe_layout(ids.to(dev), E)
-    x = torch.randn(24, K, generator=gen).to(dev)
-    w = torch.randn(E, K, N, generator=gen).to(dev)
-    rows = x[layout.row_recv.long()]
-    gemm = moe_dispatch.plan(x, w, layout).gemm
-    outs, fits = [], []
-    for tma, b in ((False, w), (True, w), (True, w.transpose(1, 2).contiguous().transpose(1, 2))):
-        gemm.tma_b = tma
-        fits.append(gemm._tma_fits(b))
-        out = torch.full((rows.shape[0], N), float("nan"), device=dev)
-        gemm(a=rows, b=b, out=out, out_handle=None,
-             row_index=torch.arange(rows.shape[0], dtype=torch.int32, device=dev),
-             row_src=layout.row_src, tile_expert=layout.tile_expert, tile_start=layout.tile_start,
-             tile_end=layout.tile_end, num_row_tiles=layout.num_row_tiles)
-        outs.append(out)
-    offs = layout.expert_offsets
-    ref = torch.cat([rows[offs[e]:offs[e + 1]].double() @ w[e].double() for e in range(E)])
-    return [fits, [relative_error(o, ref) for o in outs], torch.equal(outs[0], outs[1]), dev.type]
-
-
-def test_grouped_gemm_reads_contiguous_weights_through_a_descriptor():
-    """`GroupedGemm.tma_b` (B through a tensor descriptor, swept by scripts/tune_moe.py): the same products as
-    pointer loads, across experts' boundaries, an empty expert and a ragged N; a transposed weight keeps pointers."""
-    fits, errors, same, device = pk.spawn(_tma_b_against_pointer_loads, 1)[0]
-    assert fits == [False, True, False]
-    assert max(errors) < (5e-3 if device == "cuda" else 1e-5), errors  # fp32 products are TF32 on a GPU
-    assert same or device == "cuda"

@@ -13,6 +13,7 @@ import torch
 from conftest import worlds
 
 import parallelkittens as pk
+from parallelkittens.bench.settings import VARIABLES as BENCH_VARIABLES
 from parallelkittens.runtime.settings import VARIABLES, Settings
 from parallelkittens.testing import check_close, rank_data, shared_seed
 
@@ -123,8 +124,8 @@ def test_a_collective_call_is_one_launch(world, monkeypatch):
     for rank, got in enumerate(pk.spawn(_one_launch_per_call, world, timeout=600)):
         for name, (launched, ops) in got.items():
             assert launched == ["_pull_kernel"], (rank, name, launched)
-            allocating = [] if name in ("all_reduce out=x", "all_reduce of a parallel tensor") else \
-                ["aten.empty.memory_format"]
+            in_place = name in ("all_reduce out=x", "all_reduce of a parallel tensor")
+            allocating = [] if in_place else ["aten.empty.memory_format"]
             assert ops == allocating, (rank, name, ops)
 
 
@@ -335,9 +336,10 @@ def test_every_pk_variable_read_in_the_package_is_in_the_readme():
     read = set()
     for path in PACKAGE.rglob("*.py"):
         read.update(re.findall(r"\b(PK_[A-Z][A-Z_]+)\b", path.read_text()))
-    assert set(VARIABLES) <= listed, f"settings missing from the README's table: {sorted(set(VARIABLES) - listed)}"
+    known = set(VARIABLES) | set(BENCH_VARIABLES)
+    assert known <= listed, f"settings missing from the README's tables: {sorted(known - listed)}"
     assert read <= listed, f"PK_* names in the package that the README's table misses: {sorted(read - listed)}"
-    assert read <= set(VARIABLES) | {"PK_TEST_WORLDS", "PK_TEST_CALLS"}, sorted(read - set(VARIABLES))
+    assert read <= known | {"PK_TEST_WORLDS", "PK_TEST_CALLS"}, sorted(read - known)
 
 
 def test_no_module_reads_a_pk_variable_but_settings():
@@ -348,3 +350,66 @@ def test_no_module_reads_a_pk_variable_but_settings():
         if path.name != "settings.py" and reading.search(text):
             readers.append(str(path.relative_to(PACKAGE)))
     assert readers == [], readers
+
+
+EXAMPLES = PACKAGE.parent / "examples"
+
+
+def _new_op() -> list[str]:
+    """The recipe's example op (examples/scaled_all_gather.py), declared with no other code: its plan, its custom op
+    traced by torch.compile(fullgraph=True), its gradient, and the refusals every op makes."""
+    sys.path.insert(0, str(EXAMPLES))
+    from scaled_all_gather import ScaledAllGather, scaled_all_gather
+
+    ctx = pk.context()
+    me, world = ctx.local_rank, ctx.local_world_size
+    seed = shared_seed()
+    xs = [rank_data((37,), torch.float32, seed, r) for r in range(world)]
+    weights = rank_data((37 * world,), torch.float32, seed, 99)
+    want = 2.0 * torch.cat(xs).double()
+    want_grad = 2.0 * world * weights[37 * me:37 * (me + 1)].double()  # the gradient of every rank's output
+    problems = [check_close("eager", scaled_all_gather(xs[me], 2.0), want, torch.float32)]
+    plan = scaled_all_gather.plan(xs[me], 2.0)
+    built = [key for key in ctx.plans if key[0] == "scaled_all_gather"]
+    problems.append(None if isinstance(plan, ScaledAllGather) else f"plan is a {type(plan).__name__}")
+    problems.append(check_close("held plan", plan(xs[me]), want, torch.float32))
+    for name, fn in [("eager", lambda t: scaled_all_gather(t, 2.0) * 3),
+                     ("compiled", torch.compile(lambda t: scaled_all_gather(t, 2.0) * 3, backend="aot_eager",
+                                                fullgraph=True))]:
+        leaf = xs[me].clone().requires_grad_()
+        out = fn(leaf)
+        (out * weights).sum().backward()
+        problems += [check_close(f"{name} output", out, 3 * want, torch.float32),
+                     check_close(f"{name} gradient", leaf.grad, 3 * want_grad, torch.float32)]
+    if [key for key in ctx.plans if key[0] == "scaled_all_gather"] != built:
+        problems.append("calls after the first built more plans")
+    refused = [(xs[me].int(), "dtype torch.int32 is not supported"),
+               (xs[me].view(1, 37), "x must be a 1-D torch.Tensor"), (torch.ones(37, device="meta"), "on meta")]
+    if world > 1:
+        refused.append((torch.ones(40 + me), "ranks called it differently"))  # a new plan on every rank
+    for bad, needle in refused:
+        try:
+            scaled_all_gather(bad.to(ctx.device) if bad.device.type != "meta" else bad, 2.0)
+            problems.append(f"no error for {needle}")
+        except pk.PKError as e:
+            problems.append(None if needle in str(e) else f"expected {needle!r}: {e}")
+    try:
+        plan(xs[me][:36])
+        problems.append("a held plan took a tensor it was not built for")
+    except pk.PKError as e:
+        problems.append(None if "this plan was built for contiguous x torch.float32 (37,)" in str(e) else str(e))
+    problems.append(check_close("after the refusals", scaled_all_gather(xs[me], 2.0), want, torch.float32))
+    pk.sync()
+    return [p for p in problems if p]
+
+
+@pytest.mark.parametrize("world", worlds("1,3"))
+def test_a_new_op_is_a_kernel_a_plan_class_and_one_declaration(world):
+    for rank, problems in enumerate(pk.spawn(_new_op, world, timeout=600)):
+        assert not problems, (rank, problems)
+
+
+def test_the_recipe_in_the_docs_is_the_example_and_under_60_lines():
+    code = (EXAMPLES / "scaled_all_gather.py").read_text()
+    assert code in (PACKAGE.parent / "docs" / "plans.md").read_text()
+    assert len(code.splitlines()) < 60

@@ -95,10 +95,9 @@ def _count_finisher(G, C):
     tl.atomic_add(G.finished, 1)
 
 
-@triton.jit(do_not_specialize=["num_comm", "rank"])
-def _verdict_kernel(consumed_ptr, stored_ptr, communicated_ptr, finished_ptr, num_tasks, num_comm, meet_counters,
-                    meet_slots, meet_handle, sig, rank, world):
-    call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
+@triton.jit(do_not_specialize=["num_comm"])
+def _verdict_kernel(consumed_ptr, stored_ptr, communicated_ptr, finished_ptr, num_tasks, num_comm, meet):
+    call = meeting.begin(meet)
     G = Counts(consumed_ptr, stored_ptr, communicated_ptr, finished_ptr)
     lcsc(G, (1,), num_tasks, num_tasks, num_comm, None, _count_consumer, _count_storer, _count_communicator, call,
          _count_finisher)
@@ -112,7 +111,7 @@ def _verdicts() -> list[list[int]]:
         finished = torch.zeros(1, dtype=torch.int32, device=ctx.device)
         sig = meeting.signature("verdict test", 1 if same else ctx.rank)
         _verdict_kernel[grid(tasks, num_comm, max_programs=5)](*counts, finished, tasks, num_comm,
-                                                              **meeting.meeting().args(sig))
+                                                              meeting.meeting().group(sig))
         rows.append([c.tolist() for c in counts] + [finished.tolist()])
         try:
             pk.sync()

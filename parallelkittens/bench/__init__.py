@@ -21,6 +21,7 @@ from .host import bench_host
 from .matmul import bench_matmul
 from .moe import bench_moe, plot_moe
 from .runtime import bench_p2p, bench_runtime
+from .settings import bench_settings
 from .tp_mlp import bench_tp_mlp, plot_tp_mlp
 
 
@@ -98,6 +99,7 @@ def run_benchmark(name: str, out_dir: str) -> int:
     if name not in BENCHMARKS:
         print(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
+    bench_settings()  # a bad benchmark variable fails here, before any rank starts
     if not torch.cuda.is_available():
         print("benchmarks need a GPU: interpreter timings mean nothing", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .plot import line_plot
+from .settings import bench_settings
 
 B, H, D = 16, 16, 128
 SEQS = [4096, 8192, 16384, 32768]
@@ -113,7 +114,7 @@ def _seqs(default: list[int]) -> list[int]:
     """The sweep's sequence lengths, or PK_BENCH_SEQS's."""
     import parallelkittens as pk
 
-    chosen = pk.context().settings.bench_seqs
+    chosen = bench_settings().seqs
     try:
         return [int(n) for n in chosen.split(",")] if chosen else default
     except ValueError:
@@ -211,15 +212,15 @@ def _ring_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     a side stream while our flash kernel merges the current block (the same kernel and merge as ours)."""
     import parallelkittens as pk
 
-    from ..ops.attention import flash
+    from ..ops.attention.attention import AttentionPlan
     from ..ops.attention.ring import segments
 
     ctx = pk.context()
     world, me = ctx.local_world_size, ctx.local_rank
     n = q.shape[2]
     q_seg = segments(layout, world, me, n)
-    steps = [flash.AttentionPlan(q.shape, k.shape, q.dtype, causal, 1 / D ** 0.5, q_seg,
-                                 segments(layout, world, (me - s) % world, n)) for s in range(world)]
+    steps = [AttentionPlan(q, k, v, causal, 1 / D ** 0.5, q_segments=q_seg,
+                           k_segments=segments(layout, world, (me - s) % world, n)) for s in range(world)]
     side = torch.cuda.Stream()
     bufs = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2)]
     acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -252,7 +253,7 @@ def _ring_rank() -> list[dict]:
     import parallelkittens as pk
 
     world = pk.context().local_world_size
-    full = pk.context().settings.bench_full
+    full = bench_settings().full
     return _run_cases("ring_attention", [(n, c) for n in _seqs(RING_SEQS) for c in (False, True)
                                          if full or _flops(B, H, n, c) / world <= MAX_FWD_FLOP], _ring_case)
 
@@ -327,7 +328,7 @@ def _ulysses_rank() -> list[dict]:
     import parallelkittens as pk
 
     world = pk.context().local_world_size
-    full = pk.context().settings.bench_full
+    full = bench_settings().full
     return _run_cases("ulysses_attention", [(n, c) for n in _seqs(RING_SEQS) for c in (False, True)
                                             if full or _flops(1, ULYSSES_HEADS, n, c) / world <= MAX_FWD_FLOP],
                       _ulysses_case)

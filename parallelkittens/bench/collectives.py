@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .plot import line_plot
+from .settings import bench_settings
 
 SIZES = [4 << 10 << (2 * i) for i in range(10)]  # 4 KB, 16 KB, ..., 1 GB
 HEADS, HEAD_DIM = 32, 128
@@ -42,7 +43,7 @@ def _timeit(fn, nbytes: int) -> float:
     at 200 calls), for every column alike."""
     import parallelkittens as pk
 
-    iters = min(pk.context().settings.bench_max_iters, max(20, (16 << 30) // max(nbytes, 1)))
+    iters = min(bench_settings().max_iters, max(20, (16 << 30) // max(nbytes, 1)))
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

@@ -189,8 +189,8 @@ def bench_host() -> dict:
     print(f"{'op':<22} {'shape':>15} {'ranks':>5} {'ours eager':>10} {'torch eager':>11} {'ratio':>6} "
           f"{'ours issue':>10} {'(pt)':>6} {'torch issue':>11} {'floor':>6} {'GPU: ours':>9} {'torch':>6} check")
     for r in rows:
-        ratio = (r["ours_eager_us"] / r["torch_eager_us"]) if r.get("torch_eager_us") and r.get("ours_eager_us") \
-            else None
+        known = r.get("torch_eager_us") and r.get("ours_eager_us")
+        ratio = r["ours_eager_us"] / r["torch_eager_us"] if known else None
         print(f"{r['op']:<22} {r['shape']:>15} {r.get('world_size', 1):>5} {_f(r.get('ours_eager_us')):>10} "
               f"{_f(r.get('torch_eager_us')):>11} {_f(ratio, 2):>6} {_f(r.get('ours_issue_us')):>10} "
               f"{_f(r.get('ours_parallel_tensor_issue_us')):>6} {_f(r.get('torch_issue_us')):>11} "

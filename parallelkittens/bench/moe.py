@@ -150,13 +150,13 @@ def _case(shape: str, tokens: int, skew: bool) -> dict:
                grouped="torch._grouped_mm" if grouped is not None else "loop of torch.matmul", agree=err,
                pass_agree=err < 2e-2)
     if world == 1:  # our grouped GEMM alone: rows already in expert order, read straight (no gather)
-        plan = moe_dispatch.plan(x, w1, layout)
+        plan = moe_dispatch.moe_dispatch_gemm_op.plan(x, w1, layout.id)
         rows_in_order = x[layout.row_recv.long()]
         identity = torch.arange(pairs, device=dev, dtype=torch.int32)
         out = torch.empty(pairs, inner, device=dev, dtype=torch.bfloat16)
 
         def alone():
-            plan.gemm(a=rows_in_order, b=w1, out=out, out_handle=None, row_index=identity, row_src=layout.row_src,
+            plan.gemm(a=rows_in_order, b=w1, out=out, row_index=identity, row_src=layout.row_src,
                       tile_expert=layout.tile_expert, tile_start=layout.tile_start, tile_end=layout.tile_end,
                       num_row_tiles=layout.num_row_tiles)
 

@@ -181,6 +181,34 @@ def init(backend: str | None = None, *, join_timeout: float | None = None) -> Co
         return _CTX
     settings = Settings.from_env()
     report_to_torchrun()
+    rank, world_size, local_rank, local_world_size = _rank_layout()
+    join_timeout = join_timeout or settings.join_timeout_s
+    name = choose_backend(local_world_size, backend, settings)
+    device = _take_device(name, local_rank)
+    store = _make_store(rank, world_size, join_timeout)
+    _join(store, rank, world_size, join_timeout)
+    world, cpu_group, node_group = _process_groups(name, device, store, rank, world_size, local_world_size,
+                                                   join_timeout)
+    _agree_on_setup((name, local_world_size, device.type, settings.shared()), world_size, cpu_group)
+    ids: list = [settings.job_id or f"{os.getpid()}"] if rank == 0 else [None]
+    dist.broadcast_object_list(ids, src=0, group=cpu_group)
+    _CTX = Context(
+        rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size, device=device,
+        backend=name, group=world, cpu_group=cpu_group, node_group=node_group, settings=settings, job_id=ids[0],
+        debug_record=torch.zeros(8, dtype=torch.int64, device=device), store=store,
+    )
+    if device.type == "cuda":
+        _install_triton_allocator()
+    else:
+        from . import interpreter
+
+        interpreter.register_buffer(_CTX.debug_record)  # kernels reach it through the handle, not an argument
+    atexit.register(finalize)
+    return _CTX
+
+
+def _rank_layout() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) from the environment, checked."""
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -191,32 +219,36 @@ def init(backend: str | None = None, *, join_timeout: float | None = None) -> Co
     if world_size % local_world_size or rank % local_world_size != local_rank:
         raise PKError(f"rank {rank}: ranks must be laid out node by node with {local_world_size} per node "
                       f"(LOCAL_RANK={local_rank}, WORLD_SIZE={world_size})")
-    join_timeout = join_timeout or settings.join_timeout_s
-    name = choose_backend(local_world_size, backend, settings)
+    return rank, world_size, local_rank, local_world_size
 
-    if name != "cpu":
-        for key, value in MULTICAST_OFF.items():
-            os.environ[key] = value
-        if name == "cuda-shared":
-            os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
-        index = local_rank if name == "cuda" else local_rank % torch.cuda.device_count()
-        device = torch.device("cuda", index)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+
+def _take_device(backend: str, local_rank: int) -> torch.device:
+    """This rank's device under `backend`: its GPU (NVLink multicast off), or the CPU with the interpreter."""
+    if backend == "cpu":
         from . import interpreter
 
         interpreter.install()
+        return torch.device("cpu")
+    for key, value in MULTICAST_OFF.items():
+        os.environ[key] = value
+    if backend == "cuda-shared":
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    index = local_rank if backend == "cuda" else local_rank % torch.cuda.device_count()
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
 
-    store = _make_store(rank, world_size, join_timeout)
-    _join(store, rank, world_size, join_timeout)
+
+def _process_groups(backend: str, device: torch.device, store: dist.Store, rank: int, world_size: int,
+                    local_world_size: int, join_timeout: float) -> tuple:
+    """(the world's group, a gloo group of the world, this rank's node's gloo group)."""
     timeout = datetime.timedelta(seconds=max(join_timeout, 60.0))
-    pg_backend = "cpu:gloo,cuda:nccl" if name == "cuda" else "gloo"
-    kwargs = {"device_id": device} if name == "cuda" else {}
+    pg_backend = "cpu:gloo,cuda:nccl" if backend == "cuda" else "gloo"
+    kwargs = {"device_id": device} if backend == "cuda" else {}
     dist.init_process_group(pg_backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
                             timeout=timeout, **kwargs)
     world = dist.group.WORLD
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if name == "cuda" else world
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "cuda" else world
     node_group = cpu_group
     if local_world_size != world_size:
         for node in range(world_size // local_world_size):
@@ -224,9 +256,12 @@ def init(backend: str | None = None, *, join_timeout: float | None = None) -> Co
             group = dist.new_group(ranks, backend="gloo", timeout=timeout)
             if rank in ranks:
                 node_group = group
+    return world, cpu_group, node_group
 
-    # Every rank must agree on how the job runs; say so on every rank if not.
-    mine = (name, local_world_size, device.type, settings.shared())
+
+def _agree_on_setup(mine: tuple, world_size: int, cpu_group: dist.ProcessGroup) -> None:
+    """Every rank must agree on how the job runs (backend, local world size, device type, settings); say so on
+    every rank if not."""
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, mine, group=cpu_group)
     if any(other != mine for other in everyone):
@@ -235,22 +270,6 @@ def init(backend: str | None = None, *, join_timeout: float | None = None) -> Co
         dist.destroy_process_group()
         raise PKError(f"ranks disagree on how the job runs (backend, local world size, device type, PK_* "
                       f"settings): {rows}")
-
-    ids: list = [None]
-    if rank == 0:
-        ids = [settings.job_id or f"{os.getpid()}"]
-    dist.broadcast_object_list(ids, src=0, group=cpu_group)
-    _CTX = Context(
-        rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size, device=device,
-        backend=name, group=world, cpu_group=cpu_group, node_group=node_group, settings=settings, job_id=ids[0],
-        debug_record=torch.zeros(8, dtype=torch.int64, device=device), store=store,
-    )
-    if device.type == "cuda":
-        _install_triton_allocator()
-    else:
-        interpreter.register_buffer(_CTX.debug_record)  # kernels reach it through the handle, not an argument
-    atexit.register(finalize)
-    return _CTX
 
 
 def _describe_setup(setup: tuple, reference: tuple) -> str:

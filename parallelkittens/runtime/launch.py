@@ -1,5 +1,11 @@
 """`Launcher`: a Triton kernel bound, in a plan, to one grid and one set of fixed arguments.
 
+A kernel takes its fixed arguments in a few named groups (NamedTuples: its sizes, its parallel tensors, its
+tiles) rather than one parameter each: the plan builds each group once, and the kernel reads ``S.N_Q`` or
+``C.BLOCK_M``. Fields of a group annotated ``tl.constexpr`` are compile-time values (`Launcher` wraps them);
+Triton's launcher flattens the groups. Per-call values (the call's tensors, host descriptors) stay parameters of
+their own, so that a call replaces them in place.
+
 Small collectives and GEMMs are bound by the host's time per call, and most of a launch's arguments never change
 between calls of one signature (sizes, block sizes, workspace pointers, counts). A plan makes a `Launcher` once,
 naming every kernel parameter: the fixed ones by value, the ones that change at each call (input and output
@@ -10,24 +16,21 @@ Python launcher. Tensors go in as their addresses: given a tensor, the C launche
 pointer (`cuPointerGetAttribute`) at every launch, once per tensor, and a collective passes eleven.
 
 Host tensor descriptors (TMA maps) are the other per-call cost: Triton's launcher encodes each one at every call
-(a driver call, about 1.5 µs on an H200's host), and a GEMM passes three to five. A parameter named in
+(a driver call each), and a GEMM passes three to five. A parameter named in
 `descriptors` takes a tensor per call, with the function that describes it; the direct path keeps each encoded
 map, keyed by the tensor's address and shape (its layout is the plan's, the same at every call), and calls the
 compiled kernel's C launcher with it (`_Encoded`). A loop calling an op on the same tensors, or on outputs that
-the caching allocator hands back at the same address, encodes nothing after its first call. Measured on an H200
-(2026-12-06): `matmul` at 2048x256x2048 took 10.7 µs per eager call against `torch.matmul`'s 8.8 (24.5 against
-12.8 before, on that machine's host of 2026-12-04).
+the caching allocator hands back at the same address, encodes nothing after its first call (docs/performance.md
+has the host time per call this gives).
 
 What the direct path assumes: the values passed per call specialise as the first call's did. Tensors are
 checked for it (16-byte aligned, as the first call's were, or Triton's path is taken); integers passed per call
 must be listed in the kernel's ``do_not_specialize``. PK_FAST_LAUNCH=0 turns the direct path off; it is never
 taken under the interpreter, or while a Triton launch hook (a profiler) is installed. The C launcher's arguments
 differ between Triton releases (3.6 and 3.9 are known here: `KNOWN_LAUNCHERS`); under another release, or for a
-kernel that needs global scratch or takes tuples, the compiled kernel's Python launcher is called (and encodes
-descriptors at every call) instead.
-
-Measured on an H200 with Triton 3.6 (2026-12-02): Triton's own launch path took 54-60 µs of host time per 4 KB
-collective, the direct one 35-41 µs, before plans took the rest of the per-call set-up away.
+kernel that needs global scratch or has a descriptor inside a group, the compiled kernel's Python launcher is
+called (and encodes descriptors at every call) instead. A group passed per call (a NamedTuple of tensors) goes in
+with its tensors as addresses, checked for alignment like any other.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
 from triton.runtime import driver
 
@@ -74,7 +78,7 @@ class Launcher:
             raise TypeError(f"Launcher({getattr(kernel, '__name__', kernel)}): unknown {sorted(unknown)}, missing "
                             f"{missing}, given twice {sorted(set(per_call) & set(named))}, descriptors not per "
                             f"call {sorted(set(self.descriptors) - set(per_call))}")
-        self.fixed = named
+        self.fixed = named = {n: _constexprs(v) for n, v in named.items()}
         self.per_call = tuple(per_call)
         self._args = [_address(named.get(n)) for n in names]  # the direct path's: tensors as addresses
         self._slots = [names.index(n) for n in per_call]
@@ -88,32 +92,34 @@ class Launcher:
         self._stream: Callable[[int | None], int] | None = None  # the driver's, bound at the first call
         self.launches = 0  # calls through Triton's path: the first, and any the direct path could not take
 
-    def __call__(self, *values: Any) -> None:
-        """Launch with `values` for the `per_call` parameters, in that order."""
+    def __call__(self, *values: Any, grid: Sequence[int] | None = None) -> None:
+        """Launch with `values` for the `per_call` parameters, in that order (a group among them: a NamedTuple of
+        tensors), on the bound grid or on `grid`."""
         use_triton_allocator()  # this thread may be new (autograd runs backwards on its own)
+        grid3 = self._grid3 if grid is None else (tuple(grid) + (1, 1))[:3]
         fast = self._encoded
         if fast is not None and not _hooks_installed():
-            if fast(self._grid3, self._stream(self._device), values):
+            if fast(grid3, self._stream(self._device), values):
                 return
         compiled = self._compiled
         if compiled is None or not self._direct(values):
-            self._through_triton(values)
+            self._through_triton(values, grid3)
             return
         args = self._args
         for slot, value, describe in zip(self._slots, values, self._describe, strict=True):
             args[slot] = _address(value) if describe is None else describe(value)
-        x, y, z = self._grid3
+        x, y, z = grid3
         compiled.run(x, y, z, self._stream(self._device), compiled.function, compiled.packed_metadata, None, None,
                      None, *args)
 
-    def _through_triton(self, values: Sequence[Any]) -> None:
+    def _through_triton(self, values: Sequence[Any], grid: tuple[int, int, int]) -> None:
         named = dict(self.fixed)
         for name, value, describe in zip(self.per_call, values, self._describe, strict=True):
             named[name] = value if describe is None else describe(value)
         self.launches += 1
-        result = self.kernel[self.grid](**named, **self.options)
-        if self._direct_ok and self._compiled is None and hasattr(result, "packed_metadata") \
-                and self._aligned(values):
+        result = self.kernel[grid](**named, **self.options)
+        if (self._direct_ok and self._compiled is None and hasattr(result, "packed_metadata")
+                and self._aligned(values)):
             self._compiled = result
             self._stream = driver.active.get_current_stream
             args = [named[n] for n in self.kernel.arg_names]
@@ -125,7 +131,7 @@ class Launcher:
     @staticmethod
     def _aligned(values: Sequence[Any]) -> bool:
         # Triton specialises pointers by 16-byte alignment; the direct path reuses the first call's choice.
-        return all(v.data_ptr() % 16 == 0 for v in values if isinstance(v, torch.Tensor))
+        return all(_aligned(v) for v in values)
 
 
 class _Place(NamedTuple):
@@ -159,14 +165,14 @@ class _Encoded:
         tuples among its arguments)."""
         layout = KNOWN_LAUNCHERS.get(TRITON)
         run = compiled.run
-        if layout is None or not hasattr(run, "launch_cooperative_grid") or getattr(run, "global_scratch_size", 1) \
-                or getattr(run, "profile_scratch_size", 1) or getattr(run, "gsan_enabled", False):
+        if (layout is None or not hasattr(run, "launch_cooperative_grid") or getattr(run, "global_scratch_size", 1)
+                or getattr(run, "profile_scratch_size", 1) or getattr(run, "gsan_enabled", False)):
             return None
         metas = list(getattr(getattr(compiled, "metadata", None), "tensordesc_meta", None) or ())
         if None in metas or sum(map(_is_descriptor, args)) != len(metas):
             return None  # (without metadata Triton passes the tensor itself, which a kept encoding would hold)
-        if any(isinstance(a, tuple) for a in args):
-            return None  # Triton flattens tuples (and the descriptors in them): not done here
+        if any(isinstance(a, tuple) and any(map(_is_descriptor, a)) for a in args):
+            return None  # a descriptor inside a group: Triton's own launcher encodes it
         from triton.backends.nvidia import driver as nvidia
 
         base_args = (None,) if layout == "shared" else ()  # 3.9's encoder also takes the launch's base arguments
@@ -174,8 +180,8 @@ class _Encoded:
         def encode(desc: Any, meta: dict) -> list[Any]:
             return nvidia.make_tensordesc_arg(desc, meta, *base_args)
 
-        coop, pdl, packed, function = run.launch_cooperative_grid, run.launch_pdl, compiled.packed_metadata, \
-            compiled.function
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+        packed, function = compiled.packed_metadata, compiled.function
         if layout == "shared":  # (grid, stream, function, coop, pdl, metadata, hooks, scratch, signature, args)
             c_launch, annotations, signature = driver.active.utils.launch, run.arg_annotations, run.kernel_signature
 
@@ -226,6 +232,10 @@ class _Encoded:
                     value = value.data_ptr()
                     if value % 16:
                         return False
+                elif isinstance(value, tuple):
+                    if not _aligned(value):
+                        return False
+                    value = _address(value)
                 args[start] = value
             self._launch(grid[0], grid[1], grid[2], stream, args)
             return True
@@ -250,8 +260,41 @@ class _Encoded:
 
 def _address(value: Any) -> Any:
     """A tensor's address, which Triton's C launcher takes as it is; for a tensor it asks the driver to check the
-    pointer (`cuPointerGetAttribute`, at every launch, for every tensor). Anything else: itself."""
-    return value.data_ptr() if isinstance(value, torch.Tensor) else value
+    pointer (`cuPointerGetAttribute`, at every launch, for every tensor). A group: its tensors' addresses, in a
+    group of the same type (the C launcher flattens it). Anything else: itself."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*map(_address, value))
+    return value
+
+
+def _aligned(value: Any) -> bool:
+    """Whether every tensor in `value` (a tensor, a group, anything else) starts on a 16-byte boundary."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    if isinstance(value, tuple):
+        return all(map(_aligned, value))
+    return True
+
+
+def _constexprs(value: Any) -> Any:
+    """A group (NamedTuple) with its fields annotated ``tl.constexpr`` wrapped as Triton constants (how Triton
+    tells a compile-time value inside a tuple); anything else as it is."""
+    if not (isinstance(value, tuple) and hasattr(value, "_fields")):
+        return value
+    hints = getattr(type(value), "__annotations__", {})
+    return type(value)(*(tl.constexpr(v) if _is_constexpr_hint(hints.get(f)) and not isinstance(v, tl.constexpr)
+                         else v for f, v in zip(value._fields, value, strict=True)))
+
+
+def _is_constexpr_hint(hint: Any) -> bool:
+    """Whether a field's annotation is ``tl.constexpr``: the class, or its name (a string or a forward reference
+    under ``from __future__ import annotations``)."""
+    if hint is tl.constexpr:
+        return True
+    name = getattr(hint, "__forward_arg__", hint)
+    return isinstance(name, str) and name.split(".")[-1] == "constexpr"
 
 
 def _is_descriptor(value: Any) -> bool:

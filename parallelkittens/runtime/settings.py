@@ -1,9 +1,10 @@
-"""Every PK_* environment variable, read once into one frozen `Settings`.
+"""Every PK_* environment variable the runtime reads, parsed once into one frozen `Settings`.
 
 `init()` reads them when a rank joins, keeps them in its `Context` and checks that every rank read the same
 values (a rank with other settings is a `PKError` on every rank). `spawn()`, which runs before any rank exists,
-reads them in the parent. Nothing else in the package reads the environment for PK_* names; `VARIABLES` is the
-table the README shows, and a test checks that the two agree.
+reads them in the parent. Nothing else in the package reads the environment for PK_* names, except the
+benchmarks, which read their own through `parse` (`bench/settings.py`). `VARIABLES` is the table the README
+shows, and a test checks that the two agree.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass, fields
 
 from .errors import PKError
 
-# name: (field, default, effect). The one place a variable, its default and its meaning are written.
+# name: (field, default, effect). The one place a variable, its default and its meaning are written: `Settings`
+# declares each field's type and takes its default from here.
 VARIABLES: dict[str, tuple[str, object, str]] = {
     "PK_BACKEND": ("backend", None, "`cuda` (a GPU per rank, NCCL), `cuda-shared` (ranks share one GPU, gloo; "
                                     "correct, not fast), `cpu` (interpreter); default: the best that runs"),
@@ -39,62 +41,74 @@ VARIABLES: dict[str, tuple[str, object, str]] = {
                                              "thread)"),
     "PK_ONE_SHOT_BYTES": ("one_shot_bytes", 256 * 1024, "largest all_reduce (bytes) done in one shot; larger ones "
                                                         "reduce-scatter then all-gather"),
-    "PK_BENCH_MAX_ITERS": ("bench_max_iters", 200, "most calls a benchmark times back to back per measurement"),
-    "PK_BENCH_FULL": ("bench_full", False, "`1`: the attention benchmarks also run the sequences whose forward takes "
-                                           "over about a second per GPU"),
-    "PK_BENCH_SEQS": ("bench_seqs", "", "comma-separated total sequence lengths the attention benchmarks run instead "
-                                        "of their sweep (for example `4096,8192`)"),
     "PK_JOB_ID": ("job_id", "", "set by `spawn()` for its ranks: names the job's shared-memory files"),
 }
+
+
+def defaults(variables: Mapping[str, tuple[str, object, str]]) -> dict[str, object]:
+    """Each variable's default, by its field's name."""
+    return {field: default for field, default, _doc in variables.values()}
+
+
+def parse(cls: type, variables: Mapping[str, tuple[str, object, str]], environ: Mapping[str, str] | None = None):
+    """An instance of the frozen dataclass `cls` from the variables of `environ` (default: this process's).
+
+    A variable that is unset or empty keeps its field's default; a bad value is a `PKError` naming the variable.
+    The field's declared type says how its value is read: "bool" (0 or 1), "int", "float" (positive), else a string.
+    """
+    types = {f.name: f.type for f in fields(cls)}
+    if set(types) != set(defaults(variables)):
+        raise TypeError(f"{cls.__name__}'s fields {sorted(types)} are not its variables' "
+                        f"{sorted(defaults(variables))}")
+    environ = os.environ if environ is None else environ
+    values = {}
+    for name, (field, _default, _doc) in variables.items():
+        raw = environ.get(name, "")
+        if raw == "":
+            continue
+        kind = types[field]
+        try:
+            if kind == "bool":
+                if raw not in ("0", "1"):
+                    raise ValueError
+                values[field] = raw == "1"
+            elif kind == "int":
+                values[field] = int(raw)
+            elif kind == "float":
+                values[field] = float(raw)
+                if values[field] <= 0:
+                    raise ValueError
+            else:
+                values[field] = raw
+        except ValueError:
+            want = {"bool": "0 or 1", "int": "an integer", "float": "a positive number"}.get(kind, "a string")
+            raise PKError(f"environment variable {name}={raw!r} is not {want}") from None
+    return cls(**values)
+
+
+_DEFAULT = defaults(VARIABLES)
 
 
 @dataclass(frozen=True)
 class Settings:
     """The PK_* variables of one process, parsed (see `VARIABLES` for each one's meaning and default)."""
 
-    backend: str | None = None
-    debug: bool = False
-    wait_timeout_s: float = 10.0
-    timeout_s: float = 600.0
-    join_timeout_s: float = 60.0
-    spawn_timeout_s: float = 300.0
-    spawn_method: str = "auto"
-    fast_launch: bool = True
-    interpret_sms: int = 4
-    one_shot_bytes: int = 256 * 1024
-    bench_max_iters: int = 200
-    bench_full: bool = False
-    bench_seqs: str = ""
-    job_id: str = ""
+    backend: str | None = _DEFAULT["backend"]
+    debug: bool = _DEFAULT["debug"]
+    wait_timeout_s: float = _DEFAULT["wait_timeout_s"]
+    timeout_s: float = _DEFAULT["timeout_s"]
+    join_timeout_s: float = _DEFAULT["join_timeout_s"]
+    spawn_timeout_s: float = _DEFAULT["spawn_timeout_s"]
+    spawn_method: str = _DEFAULT["spawn_method"]
+    fast_launch: bool = _DEFAULT["fast_launch"]
+    interpret_sms: int = _DEFAULT["interpret_sms"]
+    one_shot_bytes: int = _DEFAULT["one_shot_bytes"]
+    job_id: str = _DEFAULT["job_id"]
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Parse the PK_* variables of `environ` (default: this process's); a bad value is a `PKError` naming it."""
-        environ = os.environ if environ is None else environ
-        types = {f.name: f.type for f in fields(cls)}
-        values = {}
-        for name, (field, _default, _doc) in VARIABLES.items():
-            raw = environ.get(name, "")
-            if raw == "":
-                continue
-            kind = types[field]
-            try:
-                if kind == "bool":
-                    if raw not in ("0", "1"):
-                        raise ValueError
-                    values[field] = raw == "1"
-                elif kind == "int":
-                    values[field] = int(raw)
-                elif kind == "float":
-                    values[field] = float(raw)
-                    if values[field] <= 0:
-                        raise ValueError
-                else:
-                    values[field] = raw
-            except ValueError:
-                want = {"bool": "0 or 1", "int": "an integer", "float": "a positive number"}.get(kind, "a string")
-                raise PKError(f"environment variable {name}={raw!r} is not {want}") from None
-        return cls(**values)
+        return parse(cls, VARIABLES, environ)
 
     @property
     def wait_bound_s(self) -> float:

@@ -256,8 +256,8 @@ def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
             else:
                 procs[rank].join()
                 code = procs[rank].exitcode
-                how = f"was killed by signal {signal.Signals(-code).name}" if code and code < 0 else \
-                    f"exited with {code}"
+                how = (f"was killed by signal {signal.Signals(-code).name}" if code and code < 0 else
+                       f"exited with {code}")
                 failures[rank] = Failure(time.monotonic(), rank, f"{how} before returning a result", None, "",
                                          died=True)
             if rank in failures:

@@ -34,18 +34,25 @@ def reference_scaled_all_gather(shards: list[torch.Tensor], alpha: float) -> tor
     return torch.cat([alpha * s.double() for s in shards], dim=0)
 
 
-class Args(NamedTuple):
-    x_ptr: object
+class Buffers(NamedTuple):
+    """What a plan fixes: the output and the flags (parallel tensors) and the sizes."""
+
     out_ptr: object
     out_handle: object
     flags_ptr: object  # [tasks) per-tile ready flags, then the arrival counter
     flags_handle: object
-    alpha: object
     M: object
     N: object
     num_tasks: object
-    rank: object
-    world: object
+
+
+class Args(NamedTuple):
+    """The roles' run-time values: the call's input and scale, the plan's `Buffers` and the meeting."""
+
+    x_ptr: object
+    alpha: object
+    S: object
+    call: object
 
 
 class Tiles(NamedTuple):
@@ -55,23 +62,23 @@ class Tiles(NamedTuple):
 
 @triton.jit
 def _tile(G, C, task):
-    tiles_n = tl.cdiv(G.N, C.BN)
+    tiles_n = tl.cdiv(G.S.N, C.BN)
     offs_m = (task // tiles_n) * C.BM + tl.arange(0, C.BM)
     offs_n = (task % tiles_n) * C.BN + tl.arange(0, C.BN)
-    return offs_m, offs_n, (offs_m[:, None] < G.M) & (offs_n[None, :] < G.N)
+    return offs_m, offs_n, (offs_m[:, None] < G.S.M) & (offs_n[None, :] < G.S.N)
 
 
 @triton.jit
 def _out_ptrs(G, C, task):
     offs_m, offs_n, mask = _tile(G, C, task)
-    rows = G.rank * G.M + offs_m  # this rank's row block of the gathered output
-    return G.out_ptr + rows[:, None] * G.N + offs_n[None, :], mask
+    rows = G.call.rank * G.S.M + offs_m  # this rank's row block of the gathered output
+    return G.S.out_ptr + rows[:, None] * G.S.N + offs_n[None, :], mask
 
 
 @triton.jit
 def _loader(G, C, task, k):
     offs_m, offs_n, mask = _tile(G, C, task)
-    return tl.load(G.x_ptr + offs_m[:, None] * G.N + offs_n[None, :], mask=mask)
+    return tl.load(G.x_ptr + offs_m[:, None] * G.S.N + offs_n[None, :], mask=mask)
 
 
 @triton.jit
@@ -84,36 +91,33 @@ def _consumer(G, C, task, loader):
 def _storer(G, C, task, tile):
     ptrs, mask = _out_ptrs(G, C, task)
     tl.store(ptrs, tile, mask=mask)
-    pkl.signal(G.flags_ptr + task, G.flags_handle, G.rank)  # tile ready for this rank's communicators
+    pkl.signal(G.S.flags_ptr + task, G.S.flags_handle, G.call.rank)  # tile ready for this rank's communicators
 
 
 @triton.jit
 def _communicator(G, C, task):
-    pkl.wait(G.flags_ptr + task, 1, G.flags_handle)
-    tl.store(G.flags_ptr + task, 0)  # reset for the next call: only this rank's storer signals it
+    pkl.wait(G.S.flags_ptr + task, 1, G.S.flags_handle)
+    tl.store(G.S.flags_ptr + task, 0)  # reset for the next call: only this rank's storer signals it
     ptrs, mask = _out_ptrs(G, C, task)
     tile = tl.load(ptrs, mask=mask)
-    for i in range(1, G.world):
-        peer = (G.rank + i) % G.world  # start at different peers so ranks do not all hit one link
-        pkl.store(ptrs, tile, G.out_handle, peer, mask)
-        pkl.signal(G.flags_ptr + G.num_tasks, G.flags_handle, peer)  # the arrival counter follows the flags
+    for i in range(1, G.call.world):
+        peer = (G.call.rank + i) % G.call.world  # start at different peers so ranks do not all hit one link
+        pkl.store(ptrs, tile, G.S.out_handle, peer, mask)
+        pkl.signal(G.S.flags_ptr + G.S.num_tasks, G.S.flags_handle, peer)  # the arrival counter follows the flags
 
 
 @triton.jit
 def _finisher(G, C):
-    arrived = G.flags_ptr + G.num_tasks
-    pkl.wait(arrived, (G.world - 1) * G.num_tasks, G.flags_handle)  # every peer's tiles are in my output
+    arrived = G.S.flags_ptr + G.S.num_tasks
+    pkl.wait(arrived, (G.call.world - 1) * G.S.num_tasks, G.S.flags_handle)  # every peer's tiles are in my output
     tl.store(arrived, 0)
 
 
-@triton.jit(do_not_specialize=["num_comm", "rank"])
-def _scaled_all_gather_kernel(x_ptr, out_ptr, out_handle, flags_ptr, flags_handle, alpha, M, N, num_tasks, num_comm,
-                              meet_counters, meet_slots, meet_handle, sig, rank, world, BM: tl.constexpr,
-                              BN: tl.constexpr):
-    call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
-    G = Args(x_ptr, out_ptr, out_handle, flags_ptr, flags_handle, alpha, M, N, num_tasks, rank, world)
-    lcsc(G, Tiles(BM, BN), num_tasks, num_tasks, num_comm, _loader, _consumer, _storer, _communicator, call,
-         _finisher)
+@triton.jit(do_not_specialize=["num_comm"])
+def _scaled_all_gather_kernel(x_ptr, alpha, S, num_comm, meet, C):
+    call = meeting.begin(meet)
+    lcsc(Args(x_ptr, alpha, S, call), C, S.num_tasks, S.num_tasks, num_comm, _loader, _consumer, _storer,
+         _communicator, call, _finisher)
 
 
 class ScaledAllGather:
@@ -133,11 +137,10 @@ class ScaledAllGather:
         self.out: ParallelTensor = empty((world * self.M, self.N), dtype, name="scaled_all_gather.out")
         flags = heap().allocate(4 * (num_tasks + 1), "scaled_all_gather.flags")
         sig = meeting.signature("scaled_all_gather", shape, str(dtype), num_comm, block)
-        self._launch = Launcher(
-            _scaled_all_gather_kernel, grid(num_tasks, num_comm), per_call=("x_ptr", "alpha"),
-            out_ptr=self.out.local, out_handle=self.out.handle, flags_ptr=flags.view(num_tasks + 1, torch.int32),
-            flags_handle=flags.handle, M=self.M, N=self.N, num_tasks=num_tasks, num_comm=num_comm,
-            BM=block[0], BN=block[1], **meeting.meeting().args(sig))
+        buffers = Buffers(self.out.local, self.out.handle, flags.view(num_tasks + 1, torch.int32), flags.handle, self.M,
+                          self.N, num_tasks)
+        self._launch = Launcher(_scaled_all_gather_kernel, grid(num_tasks, num_comm), per_call=("x_ptr", "alpha"),
+                                S=buffers, num_comm=num_comm, meet=meeting.meeting().group(sig), C=Tiles(*block))
 
     def __call__(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
         """all_gather(alpha * x) along dim 0; returns this rank's output buffer (valid until the next call)."""

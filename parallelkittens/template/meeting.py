@@ -63,17 +63,29 @@ class Call(NamedTuple):
     epoch: object
 
 
+class Meet(NamedTuple):
+    """A kernel's meeting argument (`Meeting.group`): the shared counters and slots, and this call's signature."""
+
+    counters: object  # int32 pointer: epoch, finished, arrivals
+    slots: object  # int64 pointer: 2 x W signature slots
+    handle: object  # the counters' parallel-tensor handle (it holds this rank's index)
+    sig: object  # int64: this call's signature
+    world: object
+
+
 @triton.jit
-def begin(counters, slots, handle, sig, rank, world):
-    """Open the call (see the module's docstring); returns the `Call` the other steps take."""
-    epoch = tl.load(counters + _EPOCH) + 1
-    if world > 1:
+def begin(meet):
+    """Open the call (see the module's docstring); returns the `Call` the other steps take. The rank is read from
+    the handle, not passed: every rank runs the same binary (Triton would fold a rank of 1 into a constant)."""
+    rank = pkl.rank(meet.handle)
+    epoch = tl.load(meet.counters + _EPOCH) + 1
+    if meet.world > 1:
         if tl.program_id(0) == 0:
-            slot = slots + (epoch & 1) * world  # & 1: may wrap
-            for r in range(world):
-                pkl.store(slot + rank, sig, handle, r)
-            pkl.signal_all(counters + _ARRIVALS, handle)
-    return Call(counters, slots, handle, sig, rank, world, epoch)
+            slot = meet.slots + (epoch & 1) * meet.world  # & 1: may wrap
+            for r in range(meet.world):
+                pkl.store(slot + rank, meet.sig, meet.handle, r)
+            pkl.signal_all(meet.counters + _ARRIVALS, meet.handle)
+    return Call(meet.counters, meet.slots, meet.handle, meet.sig, rank, meet.world, epoch)
 
 
 @triton.jit
@@ -106,10 +118,10 @@ def end(call):
     return last
 
 
-@triton.jit(do_not_specialize=["rank"])
-def _refuse_kernel(meet_counters, meet_slots, meet_handle, sig, rank, world):
+@triton.jit
+def _refuse_kernel(meet):
     """Only the meeting: a rank's stand-in for a call it refused."""
-    call = begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
+    call = begin(meet)
     end(call)
 
 
@@ -137,7 +149,7 @@ class Meeting:
         self.counters = counters.view(4, torch.int32)
         self.slots = slots.view(2 * self.world, torch.int64)
         self.handle = block.handle
-        self._refuse = Launcher(_refuse_kernel, (1,), **self.args(REFUSED))
+        self._refuse = Launcher(_refuse_kernel, (1,), meet=self.group(REFUSED))
 
     def refuse(self, count: int) -> None:
         """Meet `count` times with a signature nobody's call has (see the module's docstring)."""
@@ -145,12 +157,9 @@ class Meeting:
             for _ in range(count):
                 self._refuse()
 
-    def args(self, sig: int) -> dict:
-        """The kernel arguments of `begin`: ``meet_counters``, ``meet_slots``, ``meet_handle``, ``sig``, ``rank``,
-        ``world``."""
-        ctx = context()
-        return {"meet_counters": self.counters, "meet_slots": self.slots, "meet_handle": self.handle, "sig": sig,
-                "rank": ctx.local_rank, "world": self.world}
+    def group(self, sig: int) -> Meet:
+        """The argument a kernel passes to `begin` for a call of signature `sig`."""
+        return Meet(self.counters, self.slots, self.handle, sig, self.world)
 
 
 def meeting() -> Meeting:

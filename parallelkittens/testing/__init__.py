@@ -65,9 +65,6 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-POISON_INT = -123456789
-
-
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64; inf if `out` has NaN or inf anywhere (unwritten or poisoned elements)."""
     out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
@@ -126,3 +123,29 @@ class Timer:
         device = context().device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+
+def blocks_computed(layout: str, world: int, n_total: int, causal: bool, block_m: int, block_n: int) -> list[int]:
+    """How many (query tile, key tile) pairs each rank computes over a ring attention forward, as the kernels
+    count them (the tests check that zigzag balances causal work)."""
+    from ..ops.attention.ring import segments
+
+    def position(i: int, seg: tuple[int, int, int]) -> int:
+        return seg[1] + i if i < seg[0] else seg[2] + i - seg[0]
+
+    n_local = n_total // world
+    counts = []
+    for rank in range(world):
+        q_seg = segments(layout, world, rank, n_local)
+        q_pos = [position(i, q_seg) for i in range(n_local)]
+        total = 0
+        for step in range(world):
+            k_seg = segments(layout, world, (rank - step) % world, n_local)
+            if causal and position(0, k_seg) > q_pos[-1]:
+                continue  # a block the rank does not see at all: not computed
+            for start in range(0, n_local, block_m):
+                last = q_pos[min(start + block_m, n_local) - 1]
+                visible = n_local if not causal else sum(1 for j in range(n_local) if position(j, k_seg) <= last)
+                total += -(-visible // block_n)
+        counts.append(total)
+    return counts

@@ -1,8 +1,9 @@
 """The attention forward's Hopper variant, written in Gluon: warp-specialised, FA3's layout.
 
 Triton's `tl` forward (`flash._fwd_kernel`) runs a query tile's products and its softmax in the same warps, one
-after the other, so the tensor cores wait while the exponentials run: about 0.75x cuDNN's forward at 4K on an
-H100. Triton's automatic warp specialisation of that loop hung on an H100 (docs/attention.md). Here, written out:
+after the other, so the tensor cores wait while the exponentials run (docs/performance.md has how far that stays
+from cuDNN). Triton's automatic warp specialisation of that loop hung on a GPU (docs/attention.md). Here, written
+out:
 
 * a producer warp loads the query tile once and each key tile's K and V through TMA into a ring of stages;
 * two consumer warp groups each own 64 of the tile's 128 query rows. They take turns issuing their products
@@ -23,21 +24,41 @@ for sm_90, and the GPU tests compare it with float64.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
-from ..gemm import pingpong
+from ..descriptors import GLUON, gluon_descriptor, hopper_gluon, shared_layout
 
-AVAILABLE = pingpong.AVAILABLE
 BLOCK_M = 128  # query rows per program: two consumer warp groups of 64
 HEAD_DIMS = (64, 128)
 
-if AVAILABLE:
+
+class Sizes(NamedTuple):
+    """The kernel's run-time sizes: heads, rows, where each head's rows lie in the TMA views (`views`), the output's
+    strides and the softmax scale (with log2(e))."""
+
+    H: object
+    GROUP: object
+    N_Q: object
+    N_K: object
+    q_rows_b: object
+    q_rows_h: object
+    kv_outer_b: object
+    kv_outer_h: object
+    q_cols: object
+    kv_cols: object
+    stride_ob: object
+    stride_oh: object
+    stride_on: object
+    qk_scale: object
+
+if GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-    from ..gemm.pingpong import _tma_load
+    from ..descriptors import tma_load as _tma_load
 
     @gluon.jit
     def _tile_and_head(CAUSAL: gl.constexpr):
@@ -61,28 +82,28 @@ if AVAILABLE:
         return gl.cdiv(end, BLOCK_N)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, H,
-                  GROUP, N_K, q_rows_b, q_rows_h, kv_outer_b, kv_outer_h, q_cols, kv_cols, CAUSAL: gl.constexpr):
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, S,
+                  CAUSAL: gl.constexpr):
         """One warp: the query tile's two halves, then every key tile's K and V, each into the next free stage."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         tile, bh = _tile_and_head(CAUSAL)
-        b, h = bh // H, bh % H
-        kv_h = h // GROUP
-        q_row = b * q_rows_b + h * q_rows_h + tile * 128
+        b, h = bh // S.H, bh % S.H
+        kv_h = h // S.GROUP
+        q_row = b * S.q_rows_b + h * S.q_rows_h + tile * 128
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row, h * q_cols], q_ready, q_smem.index(0))
-        _tma_load(q_desc, [q_row + 64, h * q_cols], q_ready, q_smem.index(1))
-        kv_outer = b * kv_outer_b + kv_h * kv_outer_h
-        for j in range(_key_tiles(tile, N_K, CAUSAL, BLOCK_N)):
+        _tma_load(q_desc, [q_row, h * S.q_cols], q_ready, q_smem.index(0))
+        _tma_load(q_desc, [q_row + 64, h * S.q_cols], q_ready, q_smem.index(1))
+        kv_outer = b * S.kv_outer_b + kv_h * S.kv_outer_h
+        for j in range(_key_tiles(tile, S.N_K, CAUSAL, BLOCK_N)):
             s = j % STAGES
             free_phase = (j // STAGES & 1) ^ 1  # a fresh barrier counts as freed once
             mbarrier.wait(k_free.index(s), free_phase)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [kv_outer, j * BLOCK_N, kv_h * kv_cols], k_ready.index(s), k_bufs.index(s))
+            _tma_load(k_desc, [kv_outer, j * BLOCK_N, kv_h * S.kv_cols], k_ready.index(s), k_bufs.index(s))
             mbarrier.wait(v_free.index(s), free_phase)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [kv_outer, j * BLOCK_N, kv_h * kv_cols], v_ready.index(s), v_bufs.index(s))
+            _tma_load(v_desc, [kv_outer, j * BLOCK_N, kv_h * S.kv_cols], v_ready.index(s), v_bufs.index(s))
 
     @gluon.jit
     def _softmax(s, m, denom, j, first_row, N_K, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr,
@@ -108,8 +129,8 @@ if AVAILABLE:
         return gl.convert_layout(p.to(dtype), p_layout), m_new, denom * alpha + gl.sum(p, 1), alpha
 
     @gluon.jit
-    def _consumer(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turns, o_ptr, lse_ptr, H,
-                  N_Q, N_K, stride_ob, stride_oh, stride_on, qk_scale, HALF: gl.constexpr, CAUSAL: gl.constexpr):
+    def _consumer(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turns, o_ptr, lse_ptr, S,
+                  HALF: gl.constexpr, CAUSAL: gl.constexpr):
         """One warp group: query rows [64 HALF, 64 HALF + 64) of the tile, over every key tile it sees."""
         BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
         HEAD_DIM: gl.constexpr = k_bufs.type.shape[3]
@@ -122,7 +143,7 @@ if AVAILABLE:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         tile, bh = _tile_and_head(CAUSAL)
         first_row = tile * 128 + HALF * 64
-        n = _key_tiles(tile, N_K, CAUSAL, BLOCK_N)
+        n = _key_tiles(tile, S.N_K, CAUSAL, BLOCK_N)
         q = q_smem.index(HALF)
         zeros = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
         acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
@@ -137,7 +158,7 @@ if AVAILABLE:
         mbarrier.arrive(turns.index(1 - HALF))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_free.index(0))
-        p, m, denom, alpha = _softmax(s, m, denom, 0, first_row, N_K, qk_scale, p_layout, dtype, CAUSAL, BLOCK_N)
+        p, m, denom, alpha = _softmax(s, m, denom, 0, first_row, S.N_K, S.qk_scale, p_layout, dtype, CAUSAL, BLOCK_N)
         # then each tile j's scores issued before tile j - 1's P V: the softmax of j overlaps that product
         for j in range(1, n):
             s_idx, prev = j % STAGES, (j - 1) % STAGES
@@ -150,7 +171,7 @@ if AVAILABLE:
             mbarrier.arrive(turns.index(1 - HALF))
             s, p = warpgroup_mma_wait(num_outstanding=1, deps=(s, p))  # the scores (issued first) are done
             mbarrier.arrive(k_free.index(s_idx))
-            p, m, denom, alpha = _softmax(s, m, denom, j, first_row, N_K, qk_scale, p_layout, dtype, CAUSAL,
+            p, m, denom, alpha = _softmax(s, m, denom, j, first_row, S.N_K, S.qk_scale, p_layout, dtype, CAUSAL,
                                           BLOCK_N)
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
             mbarrier.arrive(v_free.index(prev))
@@ -162,28 +183,26 @@ if AVAILABLE:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_free.index(last))
 
-        # out = acc / denom, lse = m + log2(denom) (natural log in memory); rows past N_Q are not written
+        # out = acc / denom, lse = m + log2(denom) (natural log in memory); rows past S.N_Q are not written
         out = acc / gl.expand_dims(gl.convert_layout(denom, gl.SliceLayout(1, o_layout)), 1)
         rows = first_row + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
         dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        b, h = (bh // H).to(gl.int64), (bh % H).to(gl.int64)
-        o_ptrs = o_ptr + b * stride_ob + h * stride_oh + gl.expand_dims(rows.to(gl.int64) * stride_on, 1) \
-            + gl.expand_dims(dims, 0)
-        gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(rows < N_Q, 1))
+        b, h = (bh // S.H).to(gl.int64), (bh % S.H).to(gl.int64)
+        o_rows = b * S.stride_ob + h * S.stride_oh + rows.to(gl.int64) * S.stride_on
+        o_ptrs = o_ptr + gl.expand_dims(o_rows, 1) + gl.expand_dims(dims, 0)
+        gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(rows < S.N_Q, 1))
         lse_rows = first_row + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         lse = (m + gl.log2(denom)) * 0.6931471805599453
-        gl.store(lse_ptr + bh.to(gl.int64) * N_Q + lse_rows, lse, mask=lse_rows < N_Q)
+        gl.store(lse_ptr + bh.to(gl.int64) * S.N_Q + lse_rows, lse, mask=lse_rows < S.N_Q)
 
     @gluon.jit
     def _second_consumer(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turns, o_ptr, lse_ptr,
-                         H, N_Q, N_K, stride_ob, stride_oh, stride_on, qk_scale, CAUSAL: gl.constexpr):
-        _consumer(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turns, o_ptr, lse_ptr, H, N_Q,
-                  N_K, stride_ob, stride_oh, stride_on, qk_scale, 1, CAUSAL)
+                         S, CAUSAL: gl.constexpr):
+        _consumer(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turns, o_ptr, lse_ptr, S, 1,
+                  CAUSAL)
 
     @gluon.jit
-    def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, H, GROUP, N_Q, N_K, q_rows_b, q_rows_h, kv_outer_b,
-                       kv_outer_h, q_cols, kv_cols, stride_ob, stride_oh, stride_on, qk_scale, CAUSAL: gl.constexpr,
-                       STAGES: gl.constexpr):
+    def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, S, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[2]
@@ -206,18 +225,18 @@ if AVAILABLE:
             mbarrier.init(turns.index(c), count=1)
         gl.warp_specialize([
             (_consumer, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turns, o_ptr, lse_ptr,
-                         H, N_Q, N_K, stride_ob, stride_oh, stride_on, qk_scale, 0, CAUSAL)),
+                         S, 0, CAUSAL)),
             (_second_consumer, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turns, o_ptr,
-                                lse_ptr, H, N_Q, N_K, stride_ob, stride_oh, stride_on, qk_scale, CAUSAL)),
+                                lse_ptr, S, CAUSAL)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free,
-                         H, GROUP, N_K, q_rows_b, q_rows_h, kv_outer_b, kv_outer_h, q_cols, kv_cols, CAUSAL)),
+                         S, CAUSAL)),
         ], [4, 1], [232, 40])
 
 
 @functools.cache  # asked at every plan build: the driver query costs microseconds
 def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether this kernel can run here: Gluon, a Hopper GPU, a 16-bit dtype, head dim 64 or 128."""
-    return pingpong.usable(device, dtype) and head_dim in HEAD_DIMS
+    return hopper_gluon(device, dtype) and head_dim in HEAD_DIMS
 
 
 def views(shape: tuple[int, ...], layout: str) -> dict:
@@ -235,16 +254,10 @@ def views(shape: tuple[int, ...], layout: str) -> dict:
             "per_h": 0, "outer_b": 1, "outer_h": 0, "cols": D}
 
 
-@functools.cache
-def shared_layout(dtype: torch.dtype, block: tuple[int, ...]):
-    """The shared-memory layout (swizzle) of a TMA block of q, k or v."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, pingpong.GL_DTYPES[dtype]))
-
-
 def describer(dtype: torch.dtype, block: tuple[int, ...], view: tuple[list[int], list[int]]):
     """The function making a TMA descriptor over a contiguous q, k or v read as `view` (shape, strides; `views`)
     in blocks of `block`, for `Launcher`'s `descriptors` (the plan checked the tensors)."""
-    return functools.partial(pingpong.descriptor, block=list(block), layout=shared_layout(dtype, tuple(block)),
+    return functools.partial(gluon_descriptor, block=list(block), layout=shared_layout(dtype, tuple(block)),
                              view=view)
 
 

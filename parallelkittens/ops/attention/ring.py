@@ -28,6 +28,7 @@ At one rank it is the flash kernel alone (`flash.AttentionPlan`).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,8 +42,9 @@ from ...runtime.heap import heap
 from ...runtime.launch import Launcher
 from ...runtime.sizes import cdiv
 from ...template import grid, meeting
-from .. import plan as plans
+from ..plan import Plan, check_comm_sms, declare
 from . import flash
+from .attention import AttentionPlan, check_qkv, default_scale
 
 LAYOUTS = ("contiguous", "zigzag")
 COPY_BLOCK = 2048  # elements a communicator moves per task (4 KB of bf16: wide enough for 16-byte stores)
@@ -94,36 +96,6 @@ def unshard_sequence(x: torch.Tensor, dim: int, layout: str = "contiguous") -> t
     return torch.cat(order, dim)
 
 
-def reference_ring_attention(q_full: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor, causal: bool,
-                             softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, lse) of attention over the full sequences, in float64."""
-    return flash.reference_attention(q_full, k_full, v_full, causal, softmax_scale)
-
-
-def blocks_computed(layout: str, world: int, n_total: int, causal: bool, block_m: int, block_n: int) -> list[int]:
-    """How many (query tile, key tile) pairs each rank computes over a forward, as the kernels count them."""
-    n_local = n_total // world
-    counts = []
-    for rank in range(world):
-        q_seg = segments(layout, world, rank, n_local)
-        q_pos = [_pos(i, q_seg) for i in range(n_local)]
-        total = 0
-        for step in range(world):
-            k_seg = segments(layout, world, (rank - step) % world, n_local)
-            if causal and _pos(0, k_seg) > q_pos[-1]:
-                continue  # a block the rank does not see at all: not computed
-            for start in range(0, n_local, block_m):
-                last = q_pos[min(start + block_m, n_local) - 1]
-                visible = n_local if not causal else sum(1 for j in range(n_local) if _pos(j, k_seg) <= last)
-                total += cdiv(visible, block_n) if visible else 0
-        counts.append(total)
-    return counts
-
-
-def _pos(i: int, seg: tuple[int, int, int]) -> int:
-    return seg[1] + i if i < seg[0] else seg[2] + i - seg[0]
-
-
 @triton.jit
 def _push(src_ptr, dst_ptr, handle, peer, offs, numel):
     """Copy elements `offs` of a block at `src_ptr` into `peer`'s buffer at `dst_ptr` (a local pointer)."""
@@ -131,95 +103,103 @@ def _push(src_ptr, dst_ptr, handle, peer, offs, numel):
     pkl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), handle, peer, mask)
 
 
-@triton.jit(do_not_specialize=["num_comm", "rank", "push", "compute", "q_seg0", "q_seg1", "k_seg0", "k_seg1"])
-def _ring_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, acc_ptr, H, GROUP, N_Q, N_K, stride_qb, stride_qh,
-                     stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on, q_seg_len, q_seg0,
-                     q_seg1, k_seg_len, k_seg0, k_seg1, qk_scale, k_next_ptr, v_next_ptr, kv_handle, kv_numel,
-                     num_tasks, num_comm, push, compute, meet_counters, meet_slots, meet_handle, sig, rank, world,
-                     CAUSAL: tl.constexpr, MERGE: tl.constexpr, FINAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
-    F = flash.Fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, acc_ptr, H, GROUP, N_Q, N_K, stride_qb, stride_qh, stride_qn,
-                  stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on, q_seg_len, q_seg0, q_seg1,
-                  k_seg_len, k_seg0, k_seg1, qk_scale)
+class Ring(NamedTuple):
+    """A ring step's run-time values besides the attention's: where the block travels next, and the work."""
+
+    k_next_ptr: object  # the successor's buffers the block is pushed into
+    v_next_ptr: object
+    kv_handle: object
+    dk_next_ptr: object  # the backward's: where the travelling dK and dV go next (fp32)
+    dv_next_ptr: object
+    grad_handle: object
+    flags_ptr: object  # the backward's: one per key tile, its gradients are in
+    flags_handle: object
+    kv_numel: object
+    num_dkdv: object  # the backward's dK/dV tasks (key tiles x batch x key/value heads)
+    num_tasks: object
+    num_comm: object
+
+
+@triton.jit
+def _push_block(R, k_ptr, v_ptr, nxt, pid):
+    """This communicator's chunks of the block's K and V, pushed into the successor's next buffers."""
+    for task in range(pid, 2 * tl.cdiv(R.kv_numel, _COPY), R.num_comm):  # K's chunks, then V's
+        offs = (task // 2) * _COPY + tl.arange(0, _COPY).to(tl.int64)
+        if task % 2 == 0:
+            _push(k_ptr, R.k_next_ptr, R.kv_handle, nxt, offs, R.kv_numel)
+        else:
+            _push(v_ptr, R.v_next_ptr, R.kv_handle, nxt, offs, R.kv_numel)
+
+
+@triton.jit(do_not_specialize=["push", "compute"])  # the steps differ in them: one binary
+def _ring_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, acc_ptr, S, R, push, compute, meet, C):
+    call = meeting.begin(meet)
+    F = flash.Fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, acc_ptr)
     pid = tl.program_id(0)
     if meeting.verdict(call):  # every rank is at this step: the block is complete, the successor's buffer free
-        if pid < num_comm:
+        if pid < R.num_comm:
             if push != 0:
-                nxt = (rank + 1) % world
-                for task in range(pid, 2 * tl.cdiv(kv_numel, _COPY), num_comm):  # K's chunks, then V's
-                    offs = (task // 2) * _COPY + tl.arange(0, _COPY).to(tl.int64)
-                    if task % 2 == 0:
-                        _push(k_ptr, k_next_ptr, kv_handle, nxt, offs, kv_numel)
-                    else:
-                        _push(v_ptr, v_next_ptr, kv_handle, nxt, offs, kv_numel)
+                _push_block(R, k_ptr, v_ptr, (call.rank + 1) % call.world, pid)
         else:
             if compute != 0:
-                tiles_m = tl.cdiv(N_Q, BLOCK_M)
-                for task in range(pid - num_comm, num_tasks, tl.num_programs(0) - num_comm):
-                    flash.fwd_task(F, flash.FwdTiles(CAUSAL, False, MERGE, FINAL, BLOCK_M, BLOCK_N, HEAD_DIM),
-                                   task % tiles_m, task // tiles_m)
+                tiles_m = tl.cdiv(S.N_Q, C.BLOCK_M)
+                for task in range(pid - R.num_comm, R.num_tasks, tl.num_programs(0) - R.num_comm):
+                    flash.fwd_task(F, S, C, task % tiles_m, task // tiles_m)
     meeting.end(call)
 
 
-@triton.jit(do_not_specialize=["num_comm", "rank", "push_kv", "compute", "q_seg0", "q_seg1", "k_seg0", "k_seg1"])
-def _ring_bwd_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, H, GROUP, N_Q, N_K,
-                     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, q_seg_len, q_seg0, q_seg1,
-                     k_seg_len, k_seg0, k_seg1, qk_scale, sm_scale, k_next_ptr, v_next_ptr, kv_handle, dk_next_ptr,
-                     dv_next_ptr, grad_handle, flags_ptr, flags_handle, kv_numel, num_dkdv, num_tasks, num_comm,
-                     push_kv, compute, meet_counters, meet_slots, meet_handle, sig, rank, world, CAUSAL: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
-    B = flash.Bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, H, GROUP, N_Q, N_K,
-                  stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, q_seg_len, q_seg0, q_seg1,
-                  k_seg_len, k_seg0, k_seg1, qk_scale, sm_scale)
+@triton.jit
+def _send_gradients(B, S, R, C, t, nxt, wait):
+    """Key tile task `t`'s dK and dV, once this step's share is in (`wait`), pushed to the successor."""
+    if wait:
+        pkl.wait(R.flags_ptr + t, 1, R.flags_handle)
+        tl.store(R.flags_ptr + t, 0)
+    key_tiles = tl.cdiv(S.N_K, C.BLOCK_N)
+    bh_kv = (t // key_tiles).to(tl.int64)
+    rows = (t % key_tiles) * C.BLOCK_N + tl.arange(0, C.BLOCK_N)
+    dims = tl.arange(0, C.HEAD_DIM)
+    heads = S.H // S.GROUP
+    at = (bh_kv // heads) * S.stride_kb + (bh_kv % heads) * S.stride_kh + rows[:, None] * S.stride_kn + dims[None, :]
+    mask = (rows < S.N_K)[:, None]
+    pkl.store(R.dk_next_ptr + at, tl.load(B.dk_ptr + at, mask=mask), R.grad_handle, nxt, mask)
+    pkl.store(R.dv_next_ptr + at, tl.load(B.dv_ptr + at, mask=mask), R.grad_handle, nxt, mask)
+
+
+@triton.jit(do_not_specialize=["push_kv", "compute"])  # the steps differ in them: one binary
+def _ring_bwd_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, S, R, push_kv, compute,
+                     meet, C):
+    call = meeting.begin(meet)
+    B = flash.Bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr)
     pid = tl.program_id(0)
-    key_tiles = tl.cdiv(N_K, BLOCK_N)
-    dkdv_tasks = num_dkdv  # key tiles x batch x key/value heads, then query tiles x batch x heads
-    nxt = (rank + 1) % world
+    key_tiles = tl.cdiv(S.N_K, C.BLOCK_N)
+    nxt = (call.rank + 1) % call.world
     if meeting.verdict(call):
-        if pid < num_comm:
-            kv_tasks = 2 * tl.cdiv(kv_numel, _COPY) * push_kv
-            for task in range(pid, kv_tasks + dkdv_tasks, num_comm):
-                if task < kv_tasks:  # the block's K and V, for the successor's next step
-                    offs = (task // 2) * _COPY + tl.arange(0, _COPY).to(tl.int64)
-                    if task % 2 == 0:
-                        _push(k_ptr, k_next_ptr, kv_handle, nxt, offs, kv_numel)
-                    else:
-                        _push(v_ptr, v_next_ptr, kv_handle, nxt, offs, kv_numel)
-                else:  # one key tile's dK and dV, once this step's share is in
-                    t = task - kv_tasks
-                    if compute != 0:
-                        pkl.wait(flags_ptr + t, 1, flags_handle)
-                        tl.store(flags_ptr + t, 0)
-                    bh_kv = (t // key_tiles).to(tl.int64)
-                    rows = (t % key_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-                    dims = tl.arange(0, HEAD_DIM)
-                    at = (bh_kv // (H // GROUP)) * stride_kb + (bh_kv % (H // GROUP)) * stride_kh + \
-                        rows[:, None] * stride_kn + dims[None, :]
-                    mask = (rows < N_K)[:, None]
-                    pkl.store(dk_next_ptr + at, tl.load(dk_ptr + at, mask=mask), grad_handle, nxt, mask)
-                    pkl.store(dv_next_ptr + at, tl.load(dv_ptr + at, mask=mask), grad_handle, nxt, mask)
+        if pid < R.num_comm:
+            kv_tasks = 2 * tl.cdiv(R.kv_numel, _COPY) * push_kv
+            if push_kv != 0:  # the block's K and V, for the successor's next step
+                _push_block(R, k_ptr, v_ptr, nxt, pid)
+            # then each key tile's dK and dV (task numbers after the K/V chunks', as one list of tasks)
+            first = pid + ((kv_tasks - pid + R.num_comm - 1) // R.num_comm) * R.num_comm
+            for task in range(first, kv_tasks + R.num_dkdv, R.num_comm):
+                _send_gradients(B, S, R, C, task - kv_tasks, nxt, compute != 0)
         else:
             if compute != 0:
-                tiles_m = tl.cdiv(N_Q, BLOCK_M)
-                for task in range(pid - num_comm, num_tasks, tl.num_programs(0) - num_comm):
-                    if task < dkdv_tasks:  # key tiles first, so that their gradients can start travelling
-                        flash.dkdv_task(B, flash.BwdTiles(CAUSAL, True, BLOCK_M, BLOCK_N, HEAD_DIM), task % key_tiles,
-                                        task // key_tiles)
-                        pkl.signal(flags_ptr + task, flags_handle, rank)
+                tiles_m = tl.cdiv(S.N_Q, C.BLOCK_M)
+                for task in range(pid - R.num_comm, R.num_tasks, tl.num_programs(0) - R.num_comm):
+                    if task < R.num_dkdv:  # key tiles first, so that their gradients can start travelling
+                        flash.dkdv_task(B, S, C, task % key_tiles, task // key_tiles)
+                        pkl.signal(R.flags_ptr + task, R.flags_handle, call.rank)
                     else:
-                        t = task - dkdv_tasks
-                        flash.dq_task(B, flash.BwdTiles(CAUSAL, True, BLOCK_M, BLOCK_N, HEAD_DIM), t % tiles_m,
-                                      t // tiles_m)
+                        t = task - R.num_dkdv
+                        flash.dq_task(B, S, C, t % tiles_m, t // tiles_m)
     meeting.end(call)
 
 
-@triton.jit(do_not_specialize=["rank"])
-def _ring_bwd_final_kernel(dq_acc_ptr, dq_ptr, dk_acc_ptr, dk_ptr, dv_acc_ptr, dv_ptr, q_numel, kv_numel,
-                           meet_counters, meet_slots, meet_handle, sig, rank, world, BLOCK: tl.constexpr):
+@triton.jit
+def _ring_bwd_final_kernel(dq_acc_ptr, dq_ptr, dk_acc_ptr, dk_ptr, dv_acc_ptr, dv_ptr, q_numel, kv_numel, meet,
+                           BLOCK: tl.constexpr):
     """Every rank's dK and dV are home (each rank has ended the last step): write the outputs in their dtype."""
-    call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
+    call = meeting.begin(meet)
     if meeting.verdict(call):
         for start in range(tl.program_id(0) * BLOCK, q_numel, tl.num_programs(0) * BLOCK):
             offs = start + tl.arange(0, BLOCK).to(tl.int64)
@@ -233,93 +213,135 @@ def _ring_bwd_final_kernel(dq_acc_ptr, dq_ptr, dk_acc_ptr, dk_ptr, dv_acc_ptr, d
     meeting.end(call)
 
 
-class RingAttentionPlan:
+def check_ring(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, num_comm_sms: int | None
+               ) -> str:
+    """Refuse what ring attention cannot run, before anything collective happens; a description for the
+    agreement."""
+    check_qkv(op, q, k, v)
+    _check_layout(layout)
+    if q.shape[2] != k.shape[2]:
+        raise PKError(f"{op}: q holds {q.shape[2]} rows of the sequence but k and v {k.shape[2]}: every rank holds "
+                      "the same part of q's and k's sequence")
+    if layout == "zigzag" and q.shape[2] % 2:
+        raise PKError(f"{op}: a zigzag part holds two equal chunks of the sequence; {q.shape[2]} rows do not split "
+                      "in two (the sequence must split into 2W equal chunks)")
+    check_comm_sms(op, num_comm_sms)
+    return f"{op} of q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, layout {layout}"
+
+
+class RingAttentionPlan(Plan):
     """Ring attention for one set of shapes, dtype, mask, scale and layout: the K/V (and dK/dV) buffers on the
-    heap, each step's positions and bound kernels."""
+    heap, each step's positions and bound kernels. At one rank it is the flash kernel's plan (`local`)."""
 
     op = "ring_attention"
+    arity = 3
+    differentiable = 2  # the output, and the log-sum-exp
+    saves = (0, 1)
 
-    def __init__(self, q_shape: tuple, kv_shape: tuple, dtype: torch.dtype, causal: bool, scale: float, layout: str,
-                 num_comm_sms: int | None):
+    @classmethod
+    def key(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+            softmax_scale: float | None = None, layout: str = "contiguous", num_comm_sms: int | None = None) -> tuple:
+        scale = default_scale(q.shape[-1] if isinstance(q, torch.Tensor) else 0, softmax_scale)
+        return (getattr(q, "shape", None), getattr(k, "shape", None), getattr(q, "dtype", None), bool(causal), scale,
+                layout, num_comm_sms)
+
+    @classmethod
+    def check(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              softmax_scale: float | None = None, layout: str = "contiguous", num_comm_sms: int | None = None) -> str:
+        description = check_ring(cls.op, q, k, v, layout, num_comm_sms)
+        return f"{description}, causal={bool(causal)}, scale={softmax_scale}, num_comm_sms={num_comm_sms}"
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                 softmax_scale: float | None = None, layout: str = "contiguous", num_comm_sms: int | None = None):
         ctx = context()
-        self.world, self.rank = world, me = ctx.local_world_size, ctx.local_rank
-        self.q_shape, self.kv_shape, self.dtype, self.device = tuple(q_shape), tuple(kv_shape), dtype, ctx.device
-        self.causal, self.scale, self.layout = causal, scale, layout
-        B, H, n, D = q_shape
-        H_KV = kv_shape[1]
-        q_seg = segments(layout, world, me, n)
-        self.local = flash.AttentionPlan(q_shape, kv_shape, dtype, causal, scale, q_seg, q_seg)
-        if world == 1:
+        self.world, me = ctx.local_world_size, ctx.local_rank
+        self.q_shape, self.kv_shape, self.dtype, self.device = tuple(q.shape), tuple(k.shape), q.dtype, ctx.device
+        self.causal, self.scale, self.layout = bool(causal), default_scale(q.shape[-1], softmax_scale), layout
+        q_seg = segments(layout, self.world, me, q.shape[2])
+        self.local = AttentionPlan(q, k, v, causal, self.scale, q_segments=q_seg, k_segments=q_seg)
+        if self.world == 1:
             return
-        sig = meeting.signature(self.op, self.q_shape, self.kv_shape, str(dtype), causal, scale, layout, num_comm_sms)
-        meet = meeting.meeting().args(sig)
-        self.kv_numel = kv_numel = math.prod(kv_shape)
-        self.q_numel = math.prod(q_shape)
-        kv_bytes = kv_numel * dtype.itemsize
+        sig = meeting.signature(self.op, self.q_shape, self.kv_shape, str(q.dtype), causal, self.scale, layout,
+                                num_comm_sms)
+        self._meet = meeting.meeting().group(sig)
+        self.kv_numel, self.q_numel = math.prod(self.kv_shape), math.prod(self.q_shape)
+        kv_bytes = self.kv_numel * q.dtype.itemsize
         buffers = heap().pool("attention.kv", 4 * kv_bytes)  # K and V, two of each
-        self._k = [buffers.view(kv_shape, dtype, i * kv_bytes) for i in (0, 2)]
-        self._v = [buffers.view(kv_shape, dtype, i * kv_bytes) for i in (1, 3)]
-        grads = heap().pool("attention.grads", 4 * kv_numel * 4)  # dK and dV in fp32, two of each
-        self._dk = [grads.view(kv_shape, torch.float32, i * kv_numel * 4) for i in (0, 2)]
-        self._dv = [grads.view(kv_shape, torch.float32, i * kv_numel * 4) for i in (1, 3)]
-        bm, bn, warps, stages, *_ = self.local.tiles["fwd"]  # the ring's kernel is Triton's
-        comm = num_comm_sms if num_comm_sms is not None else max(1, num_sms() // 16)
-        fwd_tasks = cdiv(n, bm) * B * H
-        sizes = dict(self.local.sizes)
-        del sizes["k_seg_len"], sizes["k_seg0"], sizes["k_seg1"]
-        steps = []
-        for step in range(world):
-            src = (me - step) % world
-            k_seg = segments(layout, world, src, n)
+        self._k = [buffers.view(self.kv_shape, q.dtype, i * kv_bytes) for i in (0, 2)]
+        self._v = [buffers.view(self.kv_shape, q.dtype, i * kv_bytes) for i in (1, 3)]
+        grads = heap().pool("attention.grads", 4 * self.kv_numel * 4)  # dK and dV in fp32, two of each
+        self._dk = [grads.view(self.kv_shape, torch.float32, i * self.kv_numel * 4) for i in (0, 2)]
+        self._dv = [grads.view(self.kv_shape, torch.float32, i * self.kv_numel * 4) for i in (1, 3)]
+        self._kv_handle, self._grad_handle = buffers.handle, grads.handle
+        self._comm = num_comm_sms if num_comm_sms is not None else max(1, num_sms() // 16)
+        # each step's keys: whose block, and whether this rank's queries see any of it
+        self._steps = []
+        for step in range(self.world):
+            k_seg = segments(layout, self.world, (me - step) % self.world, q.shape[2])
             sees = not causal or k_seg[1] <= q_seg[2 if layout == "zigzag" else 1] + q_seg[0] - 1
-            steps.append((k_seg, sees))
-        self._steps = steps
-        fwd = dict(sizes, stride_ob=sizes["stride_qb"], stride_oh=sizes["stride_qh"], stride_on=sizes["stride_qn"],
-                   kv_handle=buffers.handle, kv_numel=kv_numel, num_tasks=fwd_tasks, num_comm=comm, CAUSAL=causal,
-                   BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, num_warps=warps, num_stages=stages, **meet)
-        per_call = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr", "acc_ptr")
-        self._fwd = []
-        for step, (k_seg, sees) in enumerate(steps):
-            last = step == world - 1
-            self._fwd.append(Launcher(
-                _ring_fwd_kernel, grid(fwd_tasks, comm), per_call, k_seg_len=k_seg[0], k_seg0=k_seg[1],
-                k_seg1=k_seg[2], k_next_ptr=self._k[(step + 1) % 2], v_next_ptr=self._v[(step + 1) % 2],
-                # the last step writes the output: it runs even where it sees nothing (merging an empty block)
-                push=int(not last), compute=int(sees or last), MERGE=step > 0, FINAL=last, **fwd))
-        bm, bn, warps, stages = self.local.tiles["bwd"]
-        key_tiles = cdiv(n, bn)
-        flags = heap().allocate(4 * key_tiles * B * H_KV, f"{self.op}.flags")
-        dkdv_tasks = key_tiles * B * H_KV
-        bwd_tasks = dkdv_tasks + cdiv(n, bm) * B * H
-        bwd = dict(sizes, sm_scale=scale, kv_handle=buffers.handle, grad_handle=grads.handle,
-                   flags_ptr=flags.view(key_tiles * B * H_KV, torch.int32), flags_handle=flags.handle,
-                   kv_numel=kv_numel, num_dkdv=dkdv_tasks, num_tasks=bwd_tasks, num_comm=comm, CAUSAL=causal,
-                   BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, num_warps=warps, num_stages=stages, **meet)
-        per_call = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr")
-        self._bwd = []
-        for step, (k_seg, sees) in enumerate(steps):
-            cur, nxt = step % 2, (step + 1) % 2
-            self._bwd.append(Launcher(
-                _ring_bwd_kernel, grid(bwd_tasks, comm), per_call, dk_ptr=self._dk[cur], dv_ptr=self._dv[cur],
-                k_seg_len=k_seg[0], k_seg0=k_seg[1], k_seg1=k_seg[2], k_next_ptr=self._k[nxt],
-                v_next_ptr=self._v[nxt], dk_next_ptr=self._dk[nxt], dv_next_ptr=self._dv[nxt],
-                push_kv=int(step < world - 1), compute=int(sees), **bwd))
-        home = world % 2  # where each rank's dK and dV land after the last hop
-        self._final = Launcher(_ring_bwd_final_kernel, (min(num_sms(), cdiv(max(kv_numel, self.q_numel), 4096)),),
+            self._steps.append((k_seg, sees))
+        self._fwd = self._forward_steps()
+        self._bwd = self._backward_steps()
+        home = self.world % 2  # where each rank's dK and dV land after the last hop
+        self._final = Launcher(_ring_bwd_final_kernel, (min(num_sms(), cdiv(max(self.kv_numel, self.q_numel), 4096)),),
                                ("dq_acc_ptr", "dq_ptr", "dk_ptr", "dv_ptr"), dk_acc_ptr=self._dk[home],
-                               dv_acc_ptr=self._dv[home], q_numel=self.q_numel, kv_numel=kv_numel, BLOCK=1024, **meet)
+                               dv_acc_ptr=self._dv[home], q_numel=self.q_numel, kv_numel=self.kv_numel,
+                               meet=self._meet, BLOCK=1024)
 
-    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meetings: int) -> tuple[torch.Tensor, ...]:
-        try:
-            return self.local._check(q, k, v)
-        except PKError as e:
-            plans.refuse(meetings, e)
+    def _ring(self, step: int, num_tasks: int, **backward: object) -> Ring:
+        nxt = (step + 1) % 2
+        fields = dict(dk_next_ptr=None, dv_next_ptr=None, grad_handle=None, flags_ptr=None, flags_handle=None,
+                      num_dkdv=0)
+        fields.update(backward)
+        return Ring(k_next_ptr=self._k[nxt], v_next_ptr=self._v[nxt], kv_handle=self._kv_handle,
+                    kv_numel=self.kv_numel, num_tasks=num_tasks, num_comm=self._comm, **fields)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_steps(self) -> list[Launcher]:
+        """Each step's forward kernel: merge this step's block in, push it on (the last step writes the output)."""
+        bm, bn, warps, stages, _ = self.local.tiles["fwd"]  # the ring's kernel is Triton's
+        B, H, n, D = self.q_shape
+        num_tasks = cdiv(n, bm) * B * H
+        launches = []
+        for step, (k_seg, sees) in enumerate(self._steps):
+            last = step == self.world - 1
+            shape = self.local.shape._replace(k_seg_len=k_seg[0], k_seg0=k_seg[1], k_seg1=k_seg[2])
+            launches.append(Launcher(
+                _ring_fwd_kernel, grid(num_tasks, self._comm), ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr",
+                                                                  "acc_ptr"),
+                S=shape, R=self._ring(step, num_tasks), meet=self._meet,
+                # the last step writes the output: it runs even where it sees nothing (merging an empty block)
+                push=int(not last), compute=int(sees or last),
+                C=flash.FwdTiles(self.causal, step > 0, last, bm, bn, D), num_warps=warps, num_stages=stages))
+        return launches
+
+    def _backward_steps(self) -> list[Launcher]:
+        """Each step's backward kernel: this rank's share of the block's gradients, which travel on with it."""
+        bm, bn, warps, stages = self.local.tiles["bwd"]
+        B, H, n, D = self.q_shape
+        key_tiles, H_KV = cdiv(n, bn), self.kv_shape[1]
+        flags = heap().allocate(4 * key_tiles * B * H_KV, f"{self.op}.flags")
+        num_dkdv = key_tiles * B * H_KV
+        num_tasks = num_dkdv + cdiv(n, bm) * B * H
+        launches = []
+        for step, (k_seg, sees) in enumerate(self._steps):
+            cur, nxt = step % 2, (step + 1) % 2
+            shape = self.local.shape._replace(k_seg_len=k_seg[0], k_seg0=k_seg[1], k_seg1=k_seg[2])
+            ring = self._ring(step, num_tasks, dk_next_ptr=self._dk[nxt], dv_next_ptr=self._dv[nxt],
+                              grad_handle=self._grad_handle, flags_ptr=flags.view(num_dkdv, torch.int32),
+                              flags_handle=flags.handle, num_dkdv=num_dkdv)
+            launches.append(Launcher(
+                _ring_bwd_kernel, grid(num_tasks, self._comm), ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr",
+                                                                  "delta_ptr", "dq_ptr"),
+                dk_ptr=self._dk[cur], dv_ptr=self._dv[cur], S=shape, R=ring, push_kv=int(step < self.world - 1),
+                compute=int(sees), meet=self._meet, C=flash.BwdTiles(self.causal, True, bm, bn, D), num_warps=warps,
+                num_stages=stages))
+        return launches
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(out, lse) of this rank's rows over the whole sequence."""
         if self.world == 1:
-            return self.local.forward(q, k, v)
-        q, k, v = self._check(q, k, v, self.world)
+            return self.local(q, k, v)
+        q, k, v = self.local.tensors(self.world, q, k, v)
         out = torch.empty_like(q)
         lse = torch.empty(self.local.lse_shape(), dtype=torch.float32, device=self.device)
         acc = torch.empty(self.q_shape, dtype=torch.float32, device=self.device)
@@ -329,12 +351,12 @@ class RingAttentionPlan:
             launch(q, keys, values, out if step == self.world - 1 else acc, lse, acc)
         return out, lse
 
-    def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def gradients(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """(dq, dk, dv) of this rank's q, k, v."""
         if self.world == 1:
-            return self.local.backward(do, q, k, v, out, lse, dlse)
-        q, k, v = self._check(q, k, v, self.world + 1)
+            return self.local.gradients(do, q, k, v, out, lse, dlse)
+        q, k, v = self.local.tensors(self.world + 1, q, k, v)
         do, out = do.contiguous(), out.contiguous()
         delta = self.local.delta(out, do, dlse)
         dq_acc = torch.zeros(self.q_shape, dtype=torch.float32, device=self.device)
@@ -348,79 +370,19 @@ class RingAttentionPlan:
         self._final(dq_acc, dq, dk, dv)
         return dq, dk, dv
 
+    def backward(self, grads: list[torch.Tensor], saved: list[torch.Tensor], needs: list[bool], q: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor, *options: object) -> tuple[torch.Tensor, ...]:
+        (do, dlse), (out, lse) = grads, saved
+        return self.gradients(do, q, k, v, out, lse, dlse)
 
-def _check_ring(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, num_comm_sms) -> str:
-    flash.check_qkv(op, q, k, v)
-    _check_layout(layout)
-    if q.shape[2] != k.shape[2]:
-        raise PKError(f"{op}: q holds {q.shape[2]} rows of the sequence but k and v {k.shape[2]}: every rank holds "
-                      "the same part of q's and k's sequence")
-    if layout == "zigzag" and q.shape[2] % 2:
-        raise PKError(f"{op}: a zigzag part holds two equal chunks of the sequence; {q.shape[2]} rows do not split "
-                      "in two (the sequence must split into 2W equal chunks)")
-    limit = num_sms() - 1
-    if num_comm_sms is not None and not 1 <= num_comm_sms <= limit:
-        raise PKError(f"{op}: num_comm_sms must be in [1, {limit}] on this device, got {num_comm_sms}")
-    return f"{op} of q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, layout {layout}"
+    fake = staticmethod(AttentionPlan.fake)
 
 
-def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, softmax_scale: float | None = None,
-         layout: str = "contiguous", num_comm_sms: int | None = None) -> RingAttentionPlan:
-    """The plan for ring attention over tensors like q, k, v (collective the first time: `ops/plan.py`)."""
-    scale = flash.default_scale(q.shape[-1] if isinstance(q, torch.Tensor) else 0, softmax_scale)
-    key = ("ring_attention", getattr(q, "shape", None), getattr(k, "shape", None), getattr(q, "dtype", None),
-           bool(causal), scale, layout, num_comm_sms)
-    found = plans.find(key)
-    if found is not None:
-        return found
-
-    def check() -> str:
-        description = _check_ring("ring_attention", q, k, v, layout, num_comm_sms)
-        return f"{description}, causal={bool(causal)}, scale={softmax_scale}, num_comm_sms={num_comm_sms}"
-
-    return plans.get(key, lambda: RingAttentionPlan(q.shape, k.shape, q.dtype, bool(causal), scale, layout,
-                                                    num_comm_sms), check)
+_ring_attention = declare(RingAttentionPlan, "(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, "
+                                             "str layout, int? num_comm_sms) -> (Tensor, Tensor)")
 
 
-@torch.library.custom_op("parallelkittens::ring_attention_forward", mutates_args=())
-def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-                  layout: str, num_comm_sms: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return plan(q, k, v, causal, softmax_scale, layout, num_comm_sms or None).forward(q, k, v)
-
-
-@_ring_forward.register_fake
-def _(q, k, v, causal, softmax_scale, layout, num_comm_sms):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-@torch.library.custom_op("parallelkittens::ring_attention_backward", mutates_args=())
-def _ring_backward(do: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float, layout: str,
-                   num_comm_sms: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return plan(q, k, v, causal, softmax_scale, layout, num_comm_sms or None).backward(do, q, k, v, out, lse, dlse)
-
-
-@_ring_backward.register_fake
-def _(do, dlse, q, k, v, out, lse, causal, softmax_scale, layout, num_comm_sms):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _setup(ctx, inputs, output) -> None:
-    q, k, v, causal, scale, layout, num_comm = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.args = (causal, scale, layout, num_comm)
-
-
-def _backward(ctx, do, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    do = torch.zeros_like(out) if do is None else do
-    dlse = torch.zeros_like(lse) if dlse is None else dlse
-    return (*_ring_backward(do, dlse, q, k, v, out, lse, *ctx.args), None, None, None, None)
-
-
-_ring_forward.register_autograd(_backward, setup_context=_setup)
-
-
+@_ring_attention.public
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                    softmax_scale: float | None = None, layout: str = "contiguous", return_lse: bool = False, *,
                    num_comm_sms: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -432,11 +394,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     the log-sum-exp too); a torch custom op. `num_comm_sms` programs push K and V round the ring (default: a
     sixteenth of the SMs).
     """
-    scale = flash.default_scale(q.shape[-1] if isinstance(q, torch.Tensor) else 0, softmax_scale)
-    if not torch.compiler.is_compiling():  # traced, the custom op builds it when it runs
-        plan(q, k, v, causal, scale, layout, num_comm_sms)  # every rank checks and agrees before the custom op runs
-    out, lse = _ring_forward(q, k, v, bool(causal), scale, layout, num_comm_sms or 0)
+    scale = default_scale(q.shape[-1] if isinstance(q, torch.Tensor) else 0, softmax_scale)
+    out, lse = _ring_attention(q, k, v, bool(causal), scale, layout, num_comm_sms)
     return (out, lse) if return_lse else out
-
-
-plans.attach(ring_attention, plan)

@@ -40,12 +40,11 @@ from ...runtime.device import num_sms
 from ...runtime.errors import PKError
 from ...runtime.heap import Block, heap
 from ...runtime.launch import Launcher
-from ...runtime.memory import owner_at
+from ...runtime.memory import owner_at, owner_of
 from ...runtime.sizes import next_power_of_2
 from ...template import meeting
-from .. import plan as plans
+from ..plan import FLOAT_DTYPES, Plan, check_out, check_tensor, refuse
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MOVE_DTYPES = FLOAT_DTYPES + tuple(d for d in (getattr(torch, "float8_e4m3fn", None),
                                                getattr(torch, "float8_e5m2", None)) if d is not None) + (
     torch.int32, torch.int64, torch.uint8, torch.int8, torch.int16)
@@ -134,36 +133,60 @@ def _pull(G, src_ptr, src_handle, out_ptr, limit, src_me, src_r, dst_me, dst_r, 
                 tl.store(out_ptr + dst + dst_r * peer, value, mask=m)
 
 
-@triton.jit(do_not_specialize=["sig", "rank"])
-def _pull_kernel(x_ptr, src_ptr, src_handle, mid_ptr, mid_handle, out_ptr, rounds_ptr, rounds_handle, limit,
-                 R0, R1, R2, C, ss0, ss1, ss2, ds0, ds1, ds2, src_me, src_r, dst_me, dst_r,
-                 meet_counters, meet_slots, meet_handle, sig, rank, world,
-                 STAGE: tl.constexpr, REDUCE: tl.constexpr, TWO_SHOT: tl.constexpr, IN_PLACE: tl.constexpr,
-                 BR: tl.constexpr, BC: tl.constexpr, LIMIT: tl.constexpr):
-    call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
-    G = Geometry(R0, R1, R2, C, ss0, ss1, ss2, ds0, ds1, ds2)
-    me = rank.to(tl.int64)
-    mine = rounds_ptr + tl.program_id(0)  # the counter of this program's rounds with its namesakes on every rank
-    if STAGE:  # local, so it runs while the ranks meet
-        _stage(G, x_ptr, src_ptr, limit, src_me, src_r, me, world, BR, BC, LIMIT)
+class Route(NamedTuple):
+    """Where a pull reads and writes besides its operands: the per-rank offsets of `Copy`, the bound on source
+    elements, the middle buffer (two-shot, in place) and the rounds' counters."""
+
+    limit: object
+    src_me: object
+    src_r: object
+    dst_me: object
+    dst_r: object
+    mid_ptr: object
+    mid_handle: object
+    rounds_ptr: object
+    rounds_handle: object
+
+
+class Steps(NamedTuple):
+    """What a pull kernel does, at compile time."""
+
+    STAGE: tl.constexpr  # copy x into the staging buffer first
+    REDUCE: tl.constexpr  # sum over ranks (else copy)
+    TWO_SHOT: tl.constexpr  # reduce-scatter into `mid`, then all-gather from it
+    IN_PLACE: tl.constexpr  # the output is the input: sums wait in `mid` until no peer reads it
+    BR: tl.constexpr
+    BC: tl.constexpr
+    LIMIT: tl.constexpr  # source elements past `limit` are skipped
+
+
+@triton.jit
+def _pull_kernel(x_ptr, src_ptr, src_handle, out_ptr, G, R, meet, S):
+    call = meeting.begin(meet)
+    me = call.rank.to(tl.int64)
+    world = call.world
+    mine = R.rounds_ptr + tl.program_id(0)  # the counter of this program's rounds with its namesakes on every rank
+    if S.STAGE:  # local, so it runs while the ranks meet
+        _stage(G, x_ptr, src_ptr, R.limit, R.src_me, R.src_r, me, world, S.BR, S.BC, S.LIMIT)
     if meeting.verdict(call):
-        if STAGE:
-            pkl.barrier_all(mine, rounds_handle)  # every rank's copy of what this program reads is in place
-        if TWO_SHOT:  # reduce-scatter into my slice of `mid`; then all-gather the slices (rank r's is at r*part)
-            _pull(G, src_ptr, src_handle, mid_ptr, limit, src_me, src_r, dst_me, dst_r, me, world, True, BR, BC,
-                  LIMIT)
-            pkl.barrier_all(mine, rounds_handle)
-            _pull(G, mid_ptr, mid_handle, out_ptr, limit, 0, src_me, 0, dst_me, me, world, False, BR, BC, LIMIT)
+        if S.STAGE:
+            pkl.barrier_all(mine, R.rounds_handle)  # every rank's copy of what this program reads is in place
+        if S.TWO_SHOT:  # reduce-scatter into my slice of `mid`; then all-gather the slices (rank r's is at r*part)
+            _pull(G, src_ptr, src_handle, R.mid_ptr, R.limit, R.src_me, R.src_r, R.dst_me, R.dst_r, me, world, True,
+                  S.BR, S.BC, S.LIMIT)
+            pkl.barrier_all(mine, R.rounds_handle)
+            _pull(G, R.mid_ptr, R.mid_handle, out_ptr, R.limit, 0, R.src_me, 0, R.dst_me, me, world, False, S.BR,
+                  S.BC, S.LIMIT)
         else:
-            _pull(G, src_ptr, src_handle, mid_ptr if IN_PLACE else out_ptr, limit, src_me, src_r, dst_me, dst_r,
-                  me, world, REDUCE, BR, BC, LIMIT)
+            _pull(G, src_ptr, src_handle, R.mid_ptr if S.IN_PLACE else out_ptr, R.limit, R.src_me, R.src_r,
+                  R.dst_me, R.dst_r, me, world, S.REDUCE, S.BR, S.BC, S.LIMIT)
         if world > 1:  # done reading: no peer may change its input before every rank has read it
-            pkl.barrier_all(mine, rounds_handle)
-        if IN_PLACE:  # the input was the output: now no peer reads it, this program's tiles go in from `mid`
-            for t in range(tl.program_id(0), _num_tiles(G, BR, BC), tl.num_programs(0)):
-                _, dst, mask = _tile(G, t, BR, BC)
-                dst += dst_me * me
-                tl.store(out_ptr + dst, tl.load(mid_ptr + dst, mask=mask), mask=mask)
+            pkl.barrier_all(mine, R.rounds_handle)
+        if S.IN_PLACE:  # the input was the output: now no peer reads it, this program's tiles go in from `mid`
+            for t in range(tl.program_id(0), _num_tiles(G, S.BR, S.BC), tl.num_programs(0)):
+                _, dst, mask = _tile(G, t, S.BR, S.BC)
+                dst += R.dst_me * me
+                tl.store(out_ptr + dst, tl.load(R.mid_ptr + dst, mask=mask), mask=mask)
     meeting.end(call)
 
 
@@ -226,15 +249,13 @@ class Pull:
         br = max(1, min(tile // bc, next_power_of_2(math.prod(copy.rows))))
         rounds, programs = _round_counters()
         counters = rounds.view(programs, torch.int32)
-        self.launch = Launcher(
-            _pull_kernel, (programs,), per_call=("x_ptr", "src_ptr", "src_handle", "out_ptr"),
-            mid_ptr=counters if mid is None else mid, mid_handle=rounds.handle if mid_handle is None else mid_handle,
-            rounds_ptr=counters, rounds_handle=rounds.handle, limit=copy.limit,
-            R0=copy.rows[0], R1=copy.rows[1], R2=copy.rows[2], C=copy.cols, ss0=copy.src_strides[0],
-            ss1=copy.src_strides[1], ss2=copy.src_strides[2], ds0=copy.dst_strides[0], ds1=copy.dst_strides[1],
-            ds2=copy.dst_strides[2], src_me=copy.src_me, src_r=copy.src_r, dst_me=copy.dst_me, dst_r=copy.dst_r,
-            STAGE=staging is not None, REDUCE=copy.reduce, TWO_SHOT=two_shot, IN_PLACE=in_place, BR=br, BC=bc,
-            LIMIT=copy.limit < 2**62, num_warps=num_warps, **meeting.meeting().args(sig))
+        mid = counters if mid is None else mid
+        route = Route(copy.limit, copy.src_me, copy.src_r, copy.dst_me, copy.dst_r, mid,
+                      rounds.handle if mid_handle is None else mid_handle, counters, rounds.handle)
+        steps = Steps(staging is not None, copy.reduce, two_shot, in_place, br, bc, copy.limit < 2**62)
+        self.launch = Launcher(_pull_kernel, (programs,), per_call=("x_ptr", "src_ptr", "src_handle", "out_ptr"),
+                               G=Geometry(*copy.rows, copy.cols, *copy.src_strides, *copy.dst_strides), R=route,
+                               meet=meeting.meeting().group(sig), S=steps, num_warps=num_warps)
 
     def __call__(self, x: torch.Tensor, src: torch.Tensor, src_handle: torch.Tensor, out: torch.Tensor) -> None:
         self.launch(x, src, src_handle, out)
@@ -246,9 +267,9 @@ def _round_counters() -> tuple[Block, int]:
     kernel runs."""
     cache = context().cache
     if "collective_rounds" not in cache:
-        # Two programs per SM with 16 KB tiles keep enough loads in flight to fill HBM (a sweep on an H200,
-        # bench/results/diagnose_collectives-*.txt: 1.9 TB/s copying, as with 4 or 8 per SM, and fewer programs make
-        # the protocol cheaper); under the interpreter every program is a thread, so one per "SM" there.
+        # Two programs per SM with 16 KB tiles keep enough loads in flight to fill HBM (as many as 4 or 8 per SM,
+        # bench/results/diagnose_collectives-w1-2026-12-02.txt, and fewer programs make the protocol cheaper);
+        # under the interpreter every program is a thread, so one per "SM" there.
         programs = num_sms() * (2 if context().device.type == "cuda" else 1)
         cache["collective_rounds"] = heap().allocate(4 * programs, "collectives.rounds"), programs
     return cache["collective_rounds"]
@@ -265,47 +286,66 @@ class Staging:
         self.handle = self.block.handle
 
 
-def source(op: str, x: torch.Tensor, layout: tuple[tuple[int, ...], torch.dtype], zero_copy: bool,
-           staging: Staging | None, any_handle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pointer, handle) where peers read `x`: in place (its parallel tensor), the staging buffer (the kernel copies
-    `x` there), or, at one rank, `x` itself with any handle (a rank reading its own buffer translates by zero).
-    `x` has passed `check_call` against the plan's `layout` (shape, dtype)."""
-    if zero_copy:
-        owner = owner_at(x.data_ptr(), *layout)
-        if owner is None:
-            raise PKError(f"{op}: this plan reads a parallel tensor in place; x is not one")
-        return x, owner.handle
-    if staging is not None:
-        return staging.tensor, staging.handle
-    return x, any_handle
+class CollectivePlan(Plan):
+    """The base of the collectives' plans: one input `x` (a tensor, or a parallel tensor's local buffer read in place:
+    `zero_copy`), its shape and dtype, and where peers read it (`source`). A call is one launch (or none)."""
+
+    dtypes: tuple[torch.dtype, ...] = MOVE_DTYPES
+
+    def __init__(self, x: torch.Tensor, zero_copy: bool | None):
+        ctx = context()
+        self.shape, self.dtype, self.zero_copy = tuple(x.shape), x.dtype, _zero_copy(x, zero_copy)
+        self.remember(x=x)
+        self._any_handle = meeting.meeting().handle  # at one rank the kernel reads only its own input, wherever it is
+        self._moves = math.prod(self.shape) > 0
+        staged = ctx.local_world_size > 1 and not self.zero_copy and self._moves
+        self._staging = Staging(self.shape, x.dtype) if staged else None
+
+    def check_x(self, x: torch.Tensor) -> int:
+        """A call's check of its input against the plan (`expect`, written out for one tensor: it runs at every
+        call); returns how many times the call meets its peers (what a refusal of it must meet)."""
+        meetings = int(self._moves)
+        if (not isinstance(x, torch.Tensor) or x.shape != self.shape or x.dtype != self.dtype or x.device != self.device
+                or not x.is_contiguous()):
+            refuse(meetings, PKError(self.mismatch({"x": x})))
+        return meetings
+
+    def signature(self, *details: object) -> int:
+        """The meeting's signature of this plan's calls."""
+        return meeting.signature(self.op, self.shape, str(self.dtype), *details, f"zero_copy={self.zero_copy}")
+
+    def source(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pointer, handle) where peers read `x`: in place (its parallel tensor), the staging buffer (the kernel
+        copies `x` there), or, at one rank, `x` itself with any handle (a rank reading its own buffer translates by
+        zero). `x` has passed `expect`."""
+        if self.zero_copy:
+            owner = owner_at(x.data_ptr(), self.shape, self.dtype)
+            if owner is None:
+                raise PKError(f"{self.op}: this plan reads a parallel tensor in place; x is not one")
+            return x, owner.handle
+        if self._staging is not None:
+            return self._staging.tensor, self._staging.handle
+        return x, self._any_handle
+
+    @classmethod
+    def check_input(cls, x: torch.Tensor, dim: int | None = None) -> int | None:
+        """Refuse an `x` no rank can move; returns `dim` in [0, x.dim()) (a PKError where it is out of range)."""
+        check_tensor(cls.op, "x", x, cls.dtypes, contiguous=True)
+        return None if dim is None else normalize_dim(cls.op, dim, max(x.dim(), 1))
 
 
-def check_input(op: str, x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
-    """Refuse what no rank can run, before anything collective happens."""
-    ctx = context()
-    if not isinstance(x, torch.Tensor):
-        raise PKError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.device != ctx.device:
-        raise PKError(f"{op}: the tensor is on {x.device}, but this rank's device is {ctx.device}")
-    if x.dtype not in dtypes:
-        raise PKError(f"{op}: dtype {x.dtype} is not supported; use one of {', '.join(map(str, dtypes))}")
-    if not x.is_contiguous():
-        raise PKError(f"{op}: the tensor must be contiguous (call .contiguous() first); strides {x.stride()}")
+def _zero_copy(x: torch.Tensor, zero_copy: bool | None) -> bool:
+    """Whether a collective reads `x` in place: as asked, or by default where it is a parallel tensor's buffer."""
+    if zero_copy is None:
+        return isinstance(x, torch.Tensor) and owner_of(x) is not None
+    return zero_copy
 
 
-def check_call(op: str, x: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-    """A plan's per-call check: `x` is what the plan was built for (cheap: no host exchange)."""
-    if x.shape != shape or x.dtype != dtype or x.device != device or not x.is_contiguous():
-        raise PKError(f"{op}: this plan was built for a contiguous {dtype} tensor of shape {shape} on {device}, "
-                      f"got {x.dtype} {tuple(x.shape)} on {x.device}" + ("" if x.is_contiguous() else
-                                                                          " (not contiguous)"))
-
-
-def check_out(op: str, out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """`out` can receive the result: same shape and dtype, contiguous, on this rank's device."""
-    if out.shape != shape or out.dtype != dtype or not out.is_contiguous() or out.device != context().device:
-        raise PKError(f"{op}: out must be a contiguous {dtype} tensor of shape {shape} on {context().device}, got "
-                      f"{out.dtype} {tuple(out.shape)} on {out.device}")
+def tensor_key(x: torch.Tensor, zero_copy: bool | None) -> tuple:
+    """The part of a collective's key that `x` makes: its shape and dtype, and whether it is read in place."""
+    if not isinstance(x, torch.Tensor):  # refused when the plan is built
+        return None, None, zero_copy
+    return x.shape, x.dtype, (owner_of(x) is not None) if zero_copy is None else zero_copy
 
 
 def normalize_dim(op: str, dim: int, ndim: int) -> int:
@@ -315,35 +355,32 @@ def normalize_dim(op: str, dim: int, ndim: int) -> int:
     return dim % ndim
 
 
-class PullPlan:
-    """A collective that is one pull (all_gather, reduce_scatter, all_to_all): its copy, output shape and staging.
+class PullPlan(CollectivePlan):
+    """A collective that is one pull (all_gather, reduce_scatter, all_to_all): a subclass gives its output shape
+    and its `Copy` (None: nothing to move) for the input's shape."""
 
-    `zero_copy`: the input is a parallel tensor's local buffer, which peers read in place."""
-
-    def __init__(self, op: str, shape: tuple[int, ...], dtype: torch.dtype, out_shape: tuple[int, ...],
-                 copy: Copy | None, zero_copy: bool, *details: object):
-        ctx = context()
-        self.op, self.shape, self.dtype, self.out_shape = op, shape, dtype, out_shape
-        self.device, self.zero_copy = ctx.device, zero_copy
-        sig = meeting.signature(op, shape, str(dtype), *details, f"zero_copy={zero_copy}")
-        self._any_handle = meeting.meeting().handle  # at one rank the kernel reads only its own input
-        moves = copy is not None and ctx.local_world_size > 1
-        self._staging = Staging(shape, dtype) if moves and not zero_copy else None
+    def __init__(self, x: torch.Tensor, zero_copy: bool | None, out_shape: tuple[int, ...], copy: Copy | None,
+                 *details: object):
+        super().__init__(x, zero_copy)
+        self.out_shape = out_shape
+        moves = copy is not None
+        if not moves:
+            self._staging = None
         # None: nothing to move
-        self._pull = Pull(copy, dtype, sig, staging=self._staging) if copy is not None else None
+        self._pull = Pull(copy, x.dtype, self.signature(*details), staging=self._staging) if moves else None
 
     def __call__(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The collective of `x`, into `out` (a new tensor by default)."""
+        meetings = self.check_x(x)
         try:
-            check_call(self.op, x, self.shape, self.dtype, self.device)
             if out is None:
                 out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
             else:
                 check_out(self.op, out, self.out_shape, self.dtype)
             if self._pull is None:
                 return out
-            src, handle = source(self.op, x, (self.shape, self.dtype), self.zero_copy, self._staging, self._any_handle)
+            src, handle = self.source(x)
         except PKError as e:
-            plans.refuse(int(self._pull is not None), e)
+            refuse(meetings, e)
         self._pull(x, src, handle, out)
         return out

@@ -12,9 +12,8 @@ import math
 import torch
 
 from ...runtime.context import context
-from ...runtime.memory import owner_of
-from .. import plan as plans
-from ._pull import MOVE_DTYPES, Copy, PullPlan, check_input, collapse, normalize_dim
+from ..plan import declare
+from ._pull import Copy, PullPlan, collapse, tensor_key
 
 
 def reference_all_gather(shards: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
@@ -22,35 +21,46 @@ def reference_all_gather(shards: list[torch.Tensor], dim: int = 0) -> torch.Tens
     return torch.cat(shards, dim=dim)
 
 
-def _build(shape: tuple[int, ...], dtype: torch.dtype, dim: int, zero_copy: bool) -> PullPlan:
+def _gathered_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
     world = context().local_world_size
     dims = list(shape) or [1]
-    out_shape = tuple(dims[:dim] + [dims[dim] * world] + dims[dim + 1:]) if shape else (world,)
-    copy = None
-    if math.prod(shape):
-        outer, inner = math.prod(dims[:dim]), math.prod(dims[dim:])
-        rows, cols, src_strides, dst_strides = collapse((outer, inner), (inner, 1), (world * inner, 1))
-        copy = Copy(rows, cols, src_strides, dst_strides, dst_r=inner)
-    return PullPlan("all_gather", shape, dtype, out_shape, copy, zero_copy, f"dim={dim}")
+    return tuple(dims[:dim] + [dims[dim] * world] + dims[dim + 1:]) if shape else (world,)
 
 
-def plan(x: torch.Tensor, dim: int = 0, *, zero_copy: bool | None = None) -> PullPlan:
-    """The plan for all_gather of tensors like `x` along `dim` (collective the first time: see `ops/plan.py`)."""
-    if zero_copy is None:
-        zero_copy = isinstance(x, torch.Tensor) and owner_of(x) is not None
-    key = ("all_gather", getattr(x, "shape", None), getattr(x, "dtype", None), dim, zero_copy)
-    found = plans.find(key)
-    if found is not None:
-        return found
+class AllGatherPlan(PullPlan):
+    """all_gather of one shape and dtype along one dim: one pull."""
 
-    def check() -> str:
-        check_input("all_gather", x, MOVE_DTYPES)
-        d = normalize_dim("all_gather", dim, max(x.dim(), 1))
-        return f"all_gather of {tuple(x.shape)} {x.dtype} along dim {d}, zero_copy={zero_copy}"
+    op = "all_gather"
 
-    return plans.get(key, lambda: _build(tuple(x.shape), x.dtype, dim % max(x.dim(), 1), zero_copy), check)
+    @classmethod
+    def key(cls, x: torch.Tensor, dim: int = 0, *, zero_copy: bool | None = None) -> tuple:
+        return (*tensor_key(x, zero_copy), dim)
+
+    @classmethod
+    def check(cls, x: torch.Tensor, dim: int = 0, *, zero_copy: bool | None = None) -> str:
+        d = cls.check_input(x, dim)
+        return f"all_gather of {tuple(x.shape)} {x.dtype} along dim {d}, zero_copy={tensor_key(x, zero_copy)[2]}"
+
+    def __init__(self, x: torch.Tensor, dim: int = 0, *, zero_copy: bool | None = None):
+        shape, world = tuple(x.shape), context().local_world_size
+        dim %= max(x.dim(), 1)
+        dims = list(shape) or [1]
+        copy = None
+        if math.prod(shape):
+            outer, inner = math.prod(dims[:dim]), math.prod(dims[dim:])
+            rows, cols, src_strides, dst_strides = collapse((outer, inner), (inner, 1), (world * inner, 1))
+            copy = Copy(rows, cols, src_strides, dst_strides, dst_r=inner)
+        super().__init__(x, zero_copy, _gathered_shape(shape, dim), copy, f"dim={dim}")
+
+    @staticmethod
+    def fake(x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x.new_empty(_gathered_shape(tuple(x.shape), dim % max(x.dim(), 1)))
 
 
+_all_gather = declare(AllGatherPlan, "(Tensor x, int dim) -> Tensor")
+
+
+@_all_gather.public
 def all_gather(x: torch.Tensor, dim: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Gather `x` from every rank of the node along `dim`; returns a new tensor (or fills `out`), its size
     along `dim` W times `x`'s.
@@ -58,7 +68,4 @@ def all_gather(x: torch.Tensor, dim: int = 0, *, out: torch.Tensor | None = None
     Collective: every rank calls it with the same shape, dtype and dim. Any dtype that moves without
     arithmetic (float32/16, bfloat16, fp8, ints). Pass a parallel tensor's `.local` to skip the staging copy.
     """
-    return plan(x, dim)(x, out=out)
-
-
-plans.attach(all_gather, plan)
+    return _all_gather(x, dim, out=out)

@@ -20,10 +20,10 @@ import torch
 from ...runtime.context import context
 from ...runtime.errors import PKError
 from ...runtime.heap import heap
-from ...runtime.memory import ParallelTensor, owner_of
-from ...template.meeting import meeting, signature
-from .. import plan as plans
-from ._pull import FLOAT_DTYPES, Copy, Pull, Staging, check_call, check_input, check_out, source
+from ...runtime.memory import ParallelTensor
+from ..plan import FLOAT_DTYPES, check_out, declare, refuse
+from ._pull import CollectivePlan, Copy, Pull, tensor_key
+from .reduce_scatter import check_sum
 
 ALIGN = 16  # two-shot slices start on 16-element boundaries, so loads stay 16 bytes wide
 
@@ -38,28 +38,37 @@ def algorithm(nbytes: int, world: int) -> str:
     return "one_shot" if world == 1 or nbytes <= context().settings.one_shot_bytes else "two_shot"
 
 
-class AllReducePlan:
+class AllReducePlan(CollectivePlan):
     """all_reduce of one shape and dtype: the algorithm, its pull kernel, and its staging and reduced buffers.
     Every call is one launch."""
 
     op = "all_reduce"
+    dtypes = FLOAT_DTYPES
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, zero_copy: bool):
-        ctx = context()
-        world = ctx.local_world_size
-        self.shape, self.dtype, self.device, self.zero_copy = shape, dtype, ctx.device, zero_copy
-        n = math.prod(shape)
+    @classmethod
+    def key(cls, x: torch.Tensor, op: str = "sum", *, zero_copy: bool | None = None) -> tuple:
+        if op != "sum":
+            check_sum(cls.op, op)
+        return tensor_key(x, zero_copy)
+
+    @classmethod
+    def check(cls, x: torch.Tensor, op: str = "sum", *, zero_copy: bool | None = None) -> str:
+        cls.check_input(x)
+        return f"all_reduce of {tuple(x.shape)} {x.dtype}, zero_copy={tensor_key(x, zero_copy)[2]}"
+
+    def __init__(self, x: torch.Tensor, op: str = "sum", *, zero_copy: bool | None = None):
+        super().__init__(x, zero_copy)
+        world, dtype = context().local_world_size, x.dtype
+        n = math.prod(self.shape)
         self.algorithm = algorithm(n * dtype.itemsize, world)
-        sig = signature(self.op, shape, str(dtype), self.algorithm, f"zero_copy={zero_copy}")
-        self._any_handle = meeting().handle  # at one rank the kernel reads only its own input, wherever it is
-        self._staging = Staging(shape, dtype) if world > 1 and not zero_copy and n else None
+        sig = self.signature(self.algorithm)
         self._pull = self._in_place = None
         if n == 0:
             return
         if self.algorithm == "one_shot":
             copy = Copy((1, 1, 1), n, (0, 0, 0), (0, 0, 0), reduce=True)
             self._pull = Pull(copy, dtype, sig, staging=self._staging)
-            if zero_copy and world > 1:  # out=x: peers read x until the end, so the sums wait in `mid`
+            if self.zero_copy and world > 1:  # out=x: peers read x until the end, so the sums wait in `mid`
                 self._in_place = Pull(copy, dtype, sig, in_place=True, mid=torch.empty(n, dtype=dtype,
                                                                                        device=self.device))
             return
@@ -73,41 +82,30 @@ class AllReducePlan:
 
     def __call__(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The sum of `x` over ranks, into `out` (a new tensor by default; `out` may be `x` itself)."""
+        meetings = self.check_x(x)
         try:
-            check_call(self.op, x, self.shape, self.dtype, self.device)
             if out is None:
                 out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             elif out is not x:
                 check_out(self.op, out, self.shape, self.dtype)
             if self._pull is None:
                 return out
-            src, handle = source(self.op, x, (self.shape, self.dtype), self.zero_copy, self._staging, self._any_handle)
+            src, handle = self.source(x)
         except PKError as e:
-            plans.refuse(int(self._pull is not None), e)
+            refuse(meetings, e)
         pull = self._in_place if out is x and self._in_place is not None else self._pull
         pull(x, src, handle, out)
         return out
 
-
-def plan(x: torch.Tensor, op: str = "sum", *, zero_copy: bool | None = None) -> AllReducePlan:
-    """The plan for all_reduce of tensors like `x` (collective the first time: see `ops/plan.py`).
-    `zero_copy` (default: whether `x` is a parallel tensor's local buffer) reads peers' inputs in place."""
-    if op != "sum":
-        raise PKError(f"all_reduce: op {op!r} is not supported; only 'sum'")
-    if zero_copy is None:
-        zero_copy = owner_of(x) is not None if isinstance(x, torch.Tensor) else False
-    key = ("all_reduce", getattr(x, "shape", None), getattr(x, "dtype", None), zero_copy)
-    found = plans.find(key)
-    if found is not None:
-        return found
-
-    def check() -> str:
-        check_input("all_reduce", x, FLOAT_DTYPES)
-        return f"all_reduce of {tuple(x.shape)} {x.dtype}, zero_copy={zero_copy}"
-
-    return plans.get(key, lambda: AllReducePlan(tuple(x.shape), x.dtype, zero_copy), check)
+    @staticmethod
+    def fake(x: torch.Tensor, op: str) -> torch.Tensor:
+        return torch.empty_like(x)
 
 
+_all_reduce = declare(AllReducePlan, "(Tensor x, str op) -> Tensor")
+
+
+@_all_reduce.public
 def all_reduce(x: torch.Tensor | ParallelTensor, op: str = "sum", *, out: torch.Tensor | None = None
                ) -> torch.Tensor:
     """Sum `x` over the node's ranks. A torch tensor gives a new tensor (or fills `out`); a `ParallelTensor` is
@@ -116,8 +114,5 @@ def all_reduce(x: torch.Tensor | ParallelTensor, op: str = "sum", *, out: torch.
     Collective. float32, float16, bfloat16; accumulation in fp32; any size and world size.
     """
     if isinstance(x, ParallelTensor):
-        return plan(x.local, op, zero_copy=True)(x.local, out=x.local)
-    return plan(x, op)(x, out=out)
-
-
-plans.attach(all_reduce, plan)
+        return all_reduce.plan(x.local, op, zero_copy=True)(x.local, out=x.local)
+    return _all_reduce(x, op, out=out)

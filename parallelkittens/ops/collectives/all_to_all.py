@@ -15,9 +15,8 @@ import torch
 
 from ...runtime.context import context
 from ...runtime.errors import PKError
-from ...runtime.memory import owner_of
-from .. import plan as plans
-from ._pull import MOVE_DTYPES, Copy, PullPlan, check_input, collapse, normalize_dim
+from ..plan import declare
+from ._pull import Copy, PullPlan, collapse, normalize_dim, tensor_key
 
 
 def reference_all_to_all(inputs: list[torch.Tensor], rank: int, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -34,46 +33,58 @@ def _contiguous_strides(shape: list[int]) -> list[int]:
     return strides
 
 
-def _build(shape: tuple[int, ...], dtype: torch.dtype, sd: int, gd: int, zero_copy: bool) -> PullPlan:
+def _exchanged_shape(shape: tuple[int, ...], sd: int, gd: int) -> tuple[list[int], list[int]]:
+    """(each chunk's shape, the output's shape)."""
     world = context().local_world_size
     chunk = list(shape)
     chunk[sd] //= world
     out_shape = list(chunk)
     out_shape[gd] *= world
-    copy = None
-    if math.prod(out_shape):
-        x_strides, out_strides = _contiguous_strides(list(shape)), _contiguous_strides(out_shape)
-        rows, cols, src_strides, dst_strides = collapse(tuple(chunk), tuple(x_strides), tuple(out_strides))
-        copy = Copy(rows, cols, src_strides, dst_strides, src_me=chunk[sd] * x_strides[sd],
-                    dst_r=chunk[gd] * out_strides[gd])
-    return PullPlan("all_to_all", shape, dtype, tuple(out_shape), copy, zero_copy, f"scatter_dim={sd}",
-                    f"gather_dim={gd}")
+    return chunk, out_shape
 
 
-def plan(x: torch.Tensor, scatter_dim: int, gather_dim: int, *, zero_copy: bool | None = None) -> PullPlan:
-    """The plan for all_to_all of tensors like `x` (collective the first time: see `ops/plan.py`)."""
-    if zero_copy is None:
-        zero_copy = isinstance(x, torch.Tensor) and owner_of(x) is not None
-    key = ("all_to_all", getattr(x, "shape", None), getattr(x, "dtype", None), scatter_dim, gather_dim, zero_copy)
-    found = plans.find(key)
-    if found is not None:
-        return found
+class AllToAllPlan(PullPlan):
+    """all_to_all of one shape and dtype between two dims: one pull."""
 
-    def check() -> str:
-        op = "all_to_all"
-        check_input(op, x, MOVE_DTYPES)
+    op = "all_to_all"
+
+    @classmethod
+    def key(cls, x: torch.Tensor, scatter_dim: int, gather_dim: int, *, zero_copy: bool | None = None) -> tuple:
+        return (*tensor_key(x, zero_copy), scatter_dim, gather_dim)
+
+    @classmethod
+    def check(cls, x: torch.Tensor, scatter_dim: int, gather_dim: int, *, zero_copy: bool | None = None) -> str:
+        cls.check_input(x)
         if x.dim() == 0:
-            raise PKError(f"{op}: needs at least one dimension")
-        sd, gd = normalize_dim(op, scatter_dim, x.dim()), normalize_dim(op, gather_dim, x.dim())
+            raise PKError(f"{cls.op}: needs at least one dimension")
+        sd, gd = normalize_dim(cls.op, scatter_dim, x.dim()), normalize_dim(cls.op, gather_dim, x.dim())
         world = context().local_world_size
         if x.shape[sd] % world:
-            raise PKError(f"{op}: size {x.shape[sd]} of scatter_dim {sd} does not divide by the world size {world}")
-        return f"all_to_all of {tuple(x.shape)} {x.dtype}, scatter_dim={sd}, gather_dim={gd}, zero_copy={zero_copy}"
+            raise PKError(f"{cls.op}: size {x.shape[sd]} of scatter_dim {sd} does not divide by the world size {world}")
+        return (f"all_to_all of {tuple(x.shape)} {x.dtype}, scatter_dim={sd}, gather_dim={gd}, "
+                f"zero_copy={tensor_key(x, zero_copy)[2]}")
 
-    return plans.get(key, lambda: _build(tuple(x.shape), x.dtype, scatter_dim % x.dim(), gather_dim % x.dim(),
-                                         zero_copy), check)
+    def __init__(self, x: torch.Tensor, scatter_dim: int, gather_dim: int, *, zero_copy: bool | None = None):
+        shape = tuple(x.shape)
+        sd, gd = scatter_dim % x.dim(), gather_dim % x.dim()
+        chunk, out_shape = _exchanged_shape(shape, sd, gd)
+        copy = None
+        if math.prod(out_shape):
+            x_strides, out_strides = _contiguous_strides(list(shape)), _contiguous_strides(out_shape)
+            rows, cols, src_strides, dst_strides = collapse(tuple(chunk), tuple(x_strides), tuple(out_strides))
+            copy = Copy(rows, cols, src_strides, dst_strides, src_me=chunk[sd] * x_strides[sd],
+                        dst_r=chunk[gd] * out_strides[gd])
+        super().__init__(x, zero_copy, tuple(out_shape), copy, f"scatter_dim={sd}", f"gather_dim={gd}")
+
+    @staticmethod
+    def fake(x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        return x.new_empty(_exchanged_shape(tuple(x.shape), scatter_dim % x.dim(), gather_dim % x.dim())[1])
 
 
+_all_to_all = declare(AllToAllPlan, "(Tensor x, int scatter_dim, int gather_dim) -> Tensor")
+
+
+@_all_to_all.public
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, *, out: torch.Tensor | None = None
                ) -> torch.Tensor:
     """Exchange chunks of `x` among the node's ranks; returns a new tensor (or fills `out`) whose `scatter_dim`
@@ -81,7 +92,4 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, *, out: torch
 
     Collective. Any dtype that moves without arithmetic; `scatter_dim`'s size must divide by the world size.
     """
-    return plan(x, scatter_dim, gather_dim)(x, out=out)
-
-
-plans.attach(all_to_all, plan)
+    return _all_to_all(x, scatter_dim, gather_dim, out=out)

@@ -13,9 +13,8 @@ import torch
 
 from ...runtime.context import context
 from ...runtime.errors import PKError
-from ...runtime.memory import owner_of
-from .. import plan as plans
-from ._pull import FLOAT_DTYPES, Copy, PullPlan, check_input, collapse, normalize_dim
+from ..plan import FLOAT_DTYPES, declare
+from ._pull import Copy, PullPlan, collapse, normalize_dim, tensor_key
 
 
 def reference_reduce_scatter(inputs: list[torch.Tensor], rank: int, dim: int = 0) -> torch.Tensor:
@@ -24,50 +23,64 @@ def reference_reduce_scatter(inputs: list[torch.Tensor], rank: int, dim: int = 0
     return total.chunk(len(inputs), dim=dim)[rank]
 
 
-def _build(shape: tuple[int, ...], dtype: torch.dtype, dim: int, zero_copy: bool) -> PullPlan:
-    world = context().local_world_size
+def _scattered_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
     out_shape = list(shape)
-    out_shape[dim] //= world
-    copy = None
-    if math.prod(out_shape):
-        outer, inner = math.prod(out_shape[:dim]), math.prod(out_shape[dim:])
-        rows, cols, src_strides, dst_strides = collapse((outer, inner), (world * inner, 1), (inner, 1))
-        copy = Copy(rows, cols, src_strides, dst_strides, src_me=inner, reduce=True)
-    return PullPlan("reduce_scatter", shape, dtype, tuple(out_shape), copy, zero_copy, f"dim={dim}")
+    out_shape[dim] //= context().local_world_size
+    return tuple(out_shape)
 
 
-def plan(x: torch.Tensor, dim: int = 0, op: str = "sum", *, zero_copy: bool | None = None) -> PullPlan:
-    """The plan for reduce_scatter of tensors like `x` along `dim` (collective the first time: `ops/plan.py`)."""
-    if op != "sum":
-        raise PKError(f"reduce_scatter: op {op!r} is not supported; only 'sum'")
-    if zero_copy is None:
-        zero_copy = isinstance(x, torch.Tensor) and owner_of(x) is not None
-    key = ("reduce_scatter", getattr(x, "shape", None), getattr(x, "dtype", None), dim, zero_copy)
-    found = plans.find(key)
-    if found is not None:
-        return found
+def check_sum(op: str, reduction: str) -> None:
+    """The reductions the collectives run: only a sum."""
+    if reduction != "sum":
+        raise PKError(f"{op}: op {reduction!r} is not supported; only 'sum'")
 
-    def check() -> str:
-        name = "reduce_scatter"
-        check_input(name, x, FLOAT_DTYPES)
+
+class ReduceScatterPlan(PullPlan):
+    """reduce_scatter of one shape and dtype along one dim: one pull that sums."""
+
+    op = "reduce_scatter"
+    dtypes = FLOAT_DTYPES
+
+    @classmethod
+    def key(cls, x: torch.Tensor, dim: int = 0, op: str = "sum", *, zero_copy: bool | None = None) -> tuple:
+        check_sum(cls.op, op)
+        return (*tensor_key(x, zero_copy), dim)
+
+    @classmethod
+    def check(cls, x: torch.Tensor, dim: int = 0, op: str = "sum", *, zero_copy: bool | None = None) -> str:
+        cls.check_input(x)
         if x.dim() == 0:
-            raise PKError(f"{name}: needs at least one dimension to scatter")
-        d = normalize_dim(name, dim, x.dim())
+            raise PKError(f"{cls.op}: needs at least one dimension to scatter")
+        d = normalize_dim(cls.op, dim, x.dim())
         world = context().local_world_size
         if x.shape[d] % world:
-            raise PKError(f"{name}: size {x.shape[d]} of dim {d} does not divide by the world size {world}")
-        return f"reduce_scatter of {tuple(x.shape)} {x.dtype} along dim {d}, zero_copy={zero_copy}"
+            raise PKError(f"{cls.op}: size {x.shape[d]} of dim {d} does not divide by the world size {world}")
+        return f"reduce_scatter of {tuple(x.shape)} {x.dtype} along dim {d}, zero_copy={tensor_key(x, zero_copy)[2]}"
 
-    return plans.get(key, lambda: _build(tuple(x.shape), x.dtype, dim % x.dim(), zero_copy), check)
+    def __init__(self, x: torch.Tensor, dim: int = 0, op: str = "sum", *, zero_copy: bool | None = None):
+        world = context().local_world_size
+        dim %= x.dim()
+        out_shape = _scattered_shape(tuple(x.shape), dim)
+        copy = None
+        if math.prod(out_shape):
+            outer, inner = math.prod(out_shape[:dim]), math.prod(out_shape[dim:])
+            rows, cols, src_strides, dst_strides = collapse((outer, inner), (world * inner, 1), (inner, 1))
+            copy = Copy(rows, cols, src_strides, dst_strides, src_me=inner, reduce=True)
+        super().__init__(x, zero_copy, out_shape, copy, f"dim={dim}")
+
+    @staticmethod
+    def fake(x: torch.Tensor, dim: int, op: str) -> torch.Tensor:
+        return x.new_empty(_scattered_shape(tuple(x.shape), dim % x.dim()))
 
 
+_reduce_scatter = declare(ReduceScatterPlan, "(Tensor x, int dim, str op) -> Tensor")
+
+
+@_reduce_scatter.public
 def reduce_scatter(x: torch.Tensor, dim: int = 0, op: str = "sum", *, out: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """Sum `x` over the node's ranks and keep this rank's slice along `dim` (size along `dim` divided by W).
 
     Collective. float32, float16, bfloat16; accumulation in fp32. `dim`'s size must divide by the world size.
     """
-    return plan(x, dim, op)(x, out=out)
-
-
-plans.attach(reduce_scatter, plan)
+    return _reduce_scatter(x, dim, op, out=out)

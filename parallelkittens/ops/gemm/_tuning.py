@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from ...runtime.context import context
 from ...runtime.device import num_sms
-from ...runtime.errors import PKError
 from ...runtime.launch import Launcher
 
 
@@ -46,13 +45,6 @@ def fastest(run: Callable[[int], object], options: list[int], reps: int = 3) -> 
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.node_group)  # the op's ranks
     return options[int(torch.argmin(slowest))]
-
-
-def check_comm_sms(op: str, num_comm_sms: int | None) -> None:
-    """A `num_comm_sms` this device can run: None (tune), or from 1 to one less than its SMs."""
-    limit = num_sms() - 1
-    if num_comm_sms is not None and not (isinstance(num_comm_sms, int) and 1 <= num_comm_sms <= limit):
-        raise PKError(f"{op}: num_comm_sms must be in [1, {limit}] on this device, got {num_comm_sms!r}")
 
 
 def choose(bound: Callable[[int], Launcher], num_comm_sms: int | None, run: Callable[[Launcher], object]

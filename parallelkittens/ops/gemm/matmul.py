@@ -6,20 +6,15 @@ row-major, bf16, fp16 or fp32 (tf32 on the tensor cores), fp32 accumulation; M, 
 the tiles (descriptors clip the edges), but rows must be 16-byte aligned for TMA (K and N multiples of 8 in
 16-bit types, of 4 in fp32).
 
-Reference point (one H200, 2026-12-02): a plain persistent Triton GEMM with descriptors, 128x256x64 tiles,
-3 stages, 8 warps reached 701 TFLOP/s at 8192^3 bf16 against cuBLAS's 680; that is the default here.
+The default tiles, 128x256x64 with 3 stages and 8 warps, are a plain persistent Triton GEMM's best at large
+shapes; `matmul_config` picks others for small and skinny shapes (docs/performance.md has the numbers).
 
 Tried and dropped: split-K (SPLITS programs per output tile, each a slice of the k-loop; the last to arrive added
-the others' fp32 partials) lost at every benchmark shape on the H200 (2026-12-04): at best 0.609 of cuBLAS at
-2048x256x2048 (against 0.74 without) and 0.30 at 2048x2048x256; a variant adding the partials with TMA
-reduce-adds reached 0.498.
+the others' fp32 partials) lost to the plain k-loop at every benchmark shape, also with TMA reduce-adds.
 
-The descriptors of local tensors are made on the host (`descriptor`) and passed to the kernels as parameters,
-as cuBLAS passes its TMA maps. Made in the kernel (`tl.make_tensor_descriptor`), every program writes its maps to
-global memory and fences them before its first load: on an H200 that cost about 2 µs per launch (2048^3: 26.1
-against 23.8 µs per call; bench/results/diagnose_gemm-w1-2026-12-04.txt), a tenth of a small GEMM. On the host
-each costs about 3.5 µs (building it, and Triton's launcher encoding it), which small GEMMs called eagerly pay;
-CUDA graphs do not. Descriptors over peers' memory are still made in the kernel, where the peer is known.
+The descriptors of local tensors are made on the host (`ops/descriptors.py`) and passed to the kernels as
+parameters, as cuBLAS passes its TMA maps; a launch encodes each once per tensor address (`runtime/launch.py`).
+Descriptors over peers' memory are made in the kernel, where the peer is known.
 """
 
 from __future__ import annotations
@@ -39,7 +34,8 @@ from ...runtime.device import num_sms
 from ...runtime.errors import PKError
 from ...runtime.launch import Launcher
 from ...runtime.sizes import cdiv
-from .. import plan as plans
+from ..descriptors import descriptor
+from ..plan import Plan, check_comm_sms, check_same_dtype, check_tensor, declare, new_output, refuse
 from . import pingpong
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32 runs as tf32 on the tensor cores
@@ -81,6 +77,12 @@ class Tiles(NamedTuple):
     GROUP_M: tl.constexpr
     STAGES: tl.constexpr
     B_T: tl.constexpr  # B read through its transpose's descriptor (`mainloop`)
+    BK_COPY: tl.constexpr = 64  # columns a communicator moves at a time (all_gather_matmul)
+
+
+def tiles(cfg: MatmulConfig, b_t: bool = False, bk_copy: int = 64) -> Tiles:
+    """A configuration's tiles as a kernel takes them."""
+    return Tiles(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_stages, b_t, bk_copy)
 
 
 def default_config(dtype: torch.dtype = torch.bfloat16) -> MatmulConfig:
@@ -97,15 +99,15 @@ def _gpu_default_config(dtype: torch.dtype) -> MatmulConfig:
 
 
 def matmul_config(M: int, N: int, K: int, dtype: torch.dtype) -> MatmulConfig:
-    """The plain GEMM's tiles, from sweeps on an H200 (scripts/tune_matmul.py; figures against cuBLAS):
+    """The plain GEMM's tiles, from sweeps against cuBLAS (scripts/tune_matmul.py; bench/results/tune_matmul-*):
 
     * 128x256 tiles in the flattened loop win or tie wherever they make more than half a wave;
-    * where they would leave half the SMs idle, 128x128 with 5 stages and 4 warps (4096x512x4096: 0.89-0.90
-      against 0.80); with more tiles 128x256 stays (2048^3: 256 tiles of 128x128 made two waves, 34.6 µs vs 27);
-    * where even 64x64 tiles make at most one wave, 64x64x128 with 4 stages (2048x256x2048: 0.80 against 0.59);
+    * where they would leave half the SMs idle, 128x128 with 5 stages and 4 warps; with more tiles 128x256 stays
+      (at 2048^3, 128x128 tiles made two waves);
+    * where even 64x64 tiles make at most one wave, 64x64x128 with 4 stages;
     * a k-loop of at most 4 steps, where the epilogue is much of the time, on Hopper in 16-bit: the ping-pong
-      kernel, one consumer's epilogue under the other's MMAs (2048x2048x256: 0.84-0.87 against 0.80).
-      At K = 512 and above it only ties, and at 8192^3 it loses (0.99 against 1.04)."""
+      kernel, one consumer's epilogue under the other's MMAs. At K = 512 and above it only ties, and at 8192^3
+      it loses."""
     if context().device.type != "cuda":
         return default_config(dtype)
     if cdiv(M, 64) * cdiv(N, 64) <= num_sms():
@@ -193,41 +195,14 @@ def _matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.con
         store_tile(c_desc, acc.to(c_desc.dtype), pid_m * BM, pid_n * BN, BM, BN)
 
 
-def descriptor(t: torch.Tensor, block: list[int], view: tuple[list[int], list[int]] | None = None
-               ) -> TensorDescriptor:
-    """A TMA descriptor over the contiguous, 16-byte aligned 2-D tensor `t` in blocks of `block` (powers of two
-    up to 256), made on the host (see the module's docstring). `view` = (shape, strides) reads `t` as another
-    shape instead (attention reads (B, N, H, D) tensors as (B, H, N, D)). An empty `t` gets a descriptor over a
-    small placeholder: TMA refuses empty tensors, and the kernels never read a tensor with no rows or columns.
-
-    Built without `TensorDescriptor`'s own checks, which cost 3 µs per descriptor on the H200 machine's host
-    (a small GEMM makes three or four per call): `check_operands` and `MatmulConfig.validate` have done them."""
-    if t.numel() == 0:
-        key = ("descriptor_placeholder", t.dtype)
-        if key not in context().cache:  # one row of 16 bytes: the smallest tensor TMA takes
-            context().cache[key] = torch.zeros(1, 16 // t.element_size(), dtype=t.dtype, device=t.device)
-        t = context().cache[key]
-    desc = object.__new__(TensorDescriptor)
-    shape, strides = view if view is not None and t.numel() else (t.shape, t.stride())
-    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = t, shape, strides, block, "zero"
-    return desc
-
-
-def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) -> None:
+def check_operands(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
     """Refuse operands the GEMM cannot take, naming what is required."""
-    device = context().device
     for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise PKError(f"{op}: {name} must be a 2-D torch.Tensor, got {getattr(t, 'shape', type(t).__name__)}")
-        if t.device != device:
-            raise PKError(f"{op}: {name} is on {t.device}, but this rank's device is {device}")
-        if t.dtype not in DTYPES:
-            raise PKError(f"{op}: {name} has dtype {t.dtype}; use bfloat16, float16 or float32")
+        check_tensor(op, name, t, DTYPES, 2)
         if t.data_ptr() % 16:
             raise PKError(f"{op}: {name} must start on a 16-byte boundary for TMA (a view with an odd offset?)")
-    if a.dtype != b.dtype:
-        raise PKError(f"{op}: a is {a.dtype} but b is {b.dtype}")
-    if a.shape[k_dim_a] != b.shape[0]:
+    check_same_dtype(op, a=a, b=b)
+    if a.shape[1] != b.shape[0]:
         raise PKError(f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
     per_16_bytes = 16 // a.element_size()
     if a.shape[1] % per_16_bytes or b.shape[1] % per_16_bytes:
@@ -235,45 +210,9 @@ def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, k_dim_a: int = 1) 
                       f"of {per_16_bytes} for {a.dtype} (a {tuple(a.shape)}, b {tuple(b.shape)})")
 
 
-class MatmulPlan:
-    """a @ b for one (M, K) @ (K, N) shape and dtype: the configuration and the bound kernel. With `b_t`, b is
-    the transposed view of a contiguous (N, K) matrix (``weight.t()``), read in place."""
-
-    def __init__(self, M: int, N: int, K: int, dtype: torch.dtype, config: MatmulConfig | None, b_t: bool = False,
-                 op: str = "matmul"):
-        ctx = context()
-        self.M, self.N, self.K, self.dtype, self.device, self.b_t, self.op = M, N, K, dtype, ctx.device, b_t, op
-        self.config = cfg = (config or matmul_config(M, N, K, dtype)).validate()
-        self._launch = None
-        if M * N == 0 or K == 0:
-            return  # nothing to compute: the output is empty, or zeros
-        tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-        grid = (min(num_sms(), tiles),)
-        per_call = ("a_desc", "b_desc", "c_desc")
-        if cfg.pingpong and pingpong.usable(ctx.device, dtype) and not b_t:  # ping-pong reads B as (K, N) only
-            # 4 warps per consumer, and the register budget the three roles share (168 x 384 threads = the SM's 64K)
-            made = pingpong.describers(dtype, cfg.block_m, cfg.block_n, cfg.block_k)
-            describe = dict(zip(per_call, made, strict=True))
-            self._launch = Launcher(pingpong._pingpong_kernel, grid, per_call, describe, M=M, N=N, K=K,
-                                    GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=4, maxnreg=168)
-        else:
-            self._launch = Launcher(_matmul_kernel, grid, per_call, gemm_describers(cfg, b_t), M=M, N=N, K=K,
-                                    BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-                                    STAGES=cfg.num_stages, FLATTEN=cfg.flatten, B_T=b_t, num_warps=cfg.num_warps)
-
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """a @ b into `out` (a new tensor by default)."""
-        a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device, self.b_t)
-        c = new_output(self.op, out, (self.M, self.N), self.dtype, self.device)
-        if self._launch is None:
-            return c.zero_()
-        self._launch(a, b, c)
-        return c
-
-
 def transposed(b: torch.Tensor) -> bool:
     """Whether `b` is the transposed view of a contiguous matrix, as ``weight.t()`` of an (out, in) weight is:
-    the fused GEMMs read such a B in place (`b_descriptor`), with no copy."""
+    the GEMMs read such a B in place (`b_descriptor`), with no copy."""
     return isinstance(b, torch.Tensor) and b.dim() == 2 and not b.is_contiguous() and b.t().is_contiguous()
 
 
@@ -291,58 +230,138 @@ def gemm_describers(cfg: MatmulConfig, b_t: bool, names: tuple[str, str, str] = 
             names[2]: functools.partial(descriptor, block=[cfg.block_m, cfg.block_n // 2])}
 
 
-def operands(op: str, a: torch.Tensor, b: torch.Tensor, a_shape: tuple[int, int], b_shape: tuple[int, int],
-             dtype: torch.dtype, device: torch.device, b_t: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A plan's per-call check of its operands against the shapes it was built for (cheap: no host exchange);
-    returns them contiguous, or b as a transposed view of a contiguous matrix for a plan built with `b_t`."""
-    if a.shape != a_shape or b.shape != b_shape or a.dtype != dtype or b.dtype != dtype or a.device != device \
-            or b.device != device:
-        raise PKError(f"{op}: this plan was built for {dtype} operands of shapes {a_shape} and {b_shape} on "
-                      f"{device}, got {a.dtype} {tuple(a.shape)} on {a.device} and {b.dtype} {tuple(b.shape)} on "
-                      f"{b.device}")
-    a = a.contiguous()
-    b = (b if b.t().is_contiguous() else b.t().contiguous().t()) if b_t else b.contiguous()
-    if a.data_ptr() % 16 or b.data_ptr() % 16:
-        raise PKError(f"{op}: operands must start on a 16-byte boundary for TMA (a view with an odd offset?)")
-    return a, b
+class GemmPlan(Plan):
+    """The base of the GEMM plans: operands a (M, K) and b (K, N) of one dtype, b possibly the transposed view of a
+    contiguous matrix (`b_t`, read in place); `operands` checks a call's against them."""
 
+    arity = 2
 
-def new_output(op: str, out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
-    """`out`, checked, or a new tensor of `shape`."""
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if out.shape != shape or out.dtype != dtype or out.device != device or not out.is_contiguous() \
-            or out.data_ptr() % 16:
-        raise PKError(f"{op}: out must be a contiguous, 16-byte aligned {dtype} tensor of shape {shape} on {device}; "
-                      f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    return out
-
-
-def plan(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> MatmulPlan:
-    """The plan for a @ b with operands like `a` and `b` (not collective)."""
-    # b's strides tell a transposed view (read in place) from a contiguous matrix, more cheaply than `transposed`
-    key = ("matmul", getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), config,
-           b.stride() if isinstance(b, torch.Tensor) else None)
-    found = plans.find(key)
-    if found is not None:
-        return found
-
-    def check() -> str:
-        check_operands("matmul", a, b)
+    @classmethod
+    def check_gemm(cls, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None) -> str:
+        """Refuse operands or a configuration the GEMM cannot take; the call's description."""
+        check_operands(cls.op, a, b)
         if config is not None:
             config.validate()
-        return ""
+        return f"{cls.op} with {tuple(a.shape)}, {tuple(b.shape)}, {a.dtype}, {config}"
 
-    return plans.get(key, lambda: MatmulPlan(a.shape[0], b.shape[1], a.shape[1], a.dtype, config, transposed(b)), check,
-                     collective=False)
+    def remember(self, **tensors: torch.Tensor) -> None:
+        super().remember(**tensors)
+        self._a_shape, self._b_shape = self.built["a"][0], self.built["b"][0]  # read at every call (`operands`)
+
+    def operands(self, meetings: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A call's operands, checked against the plan's (cheap: no host exchange): contiguous, or b as a transposed
+        view of a contiguous matrix for a plan built with `b_t`; else the call is refused (`refuse`)."""
+        dtype = self.dtype
+        if (a.shape != self._a_shape or b.shape != self._b_shape or a.dtype != dtype or b.dtype != dtype
+                or a.device != self.device or b.device != self.device):
+            refuse(meetings, PKError(self.mismatch({"a": a, "b": b})))
+        a = a.contiguous()
+        b = (b if b.t().is_contiguous() else b.t().contiguous().t()) if self.b_t else b.contiguous()
+        if a.data_ptr() % 16 or b.data_ptr() % 16:
+            refuse(meetings, PKError(f"{self.op}: operands must start on a 16-byte boundary for TMA (a view with an "
+                                     "odd offset?)"))
+        return a, b
+
+    @staticmethod
+    def fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a.new_empty(a.shape[0], b.shape[1])
 
 
+class FusedPlan(GemmPlan):
+    """The base of the fused GEMMs' plans: at one rank the plain GEMM's plan (`_alone`); else a call checks its
+    operands and output and launches the bound kernel (`_launch`, None where there is nothing to compute)."""
+
+    out_shape: tuple[int, int]
+    _alone: MatmulPlan | None = None
+    _launch: Launcher | None = None
+
+    @classmethod
+    def key(cls, a: torch.Tensor, b: torch.Tensor, num_comm_sms: int | None = None,
+            config: MatmulConfig | None = None) -> tuple:
+        return (getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), num_comm_sms, config,
+                transposed(b))
+
+    @classmethod
+    def check(cls, a: torch.Tensor, b: torch.Tensor, num_comm_sms: int | None = None,
+              config: MatmulConfig | None = None) -> str:
+        check_comm_sms(cls.op, num_comm_sms)
+        return f"{cls.check_gemm(a, b, config)}, num_comm_sms={num_comm_sms}"
+
+    def values(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What a call passes the kernel for its per-call parameters."""
+        return a, b, c
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The op of a and b, into `out` (a new tensor by default)."""
+        if self._alone is not None:
+            return self._alone(a, b, out=out)
+        meetings = int(self._launch is not None)
+        a, b = self.operands(meetings, a, b)
+        try:
+            c = new_output(self.op, out, self.out_shape, self.dtype, aligned=True)
+        except PKError as e:
+            refuse(meetings, e)
+        if self._launch is not None:
+            self._launch(*self.values(a, b, c))
+        return c
+
+
+class MatmulPlan(GemmPlan):
+    """a @ b for one (M, K) @ (K, N) shape and dtype: the configuration and the bound kernel. With `b_t`, b is
+    the transposed view of a contiguous (N, K) matrix (``weight.t()``), read in place. The fused GEMMs at one
+    rank are this plan, under their own name (`op`)."""
+
+    op = "matmul"
+    collective = False
+
+    @classmethod
+    def key(cls, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> tuple:
+        # b's strides tell a transposed view (read in place) from a contiguous matrix, more cheaply than `transposed`
+        return (getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), config,
+                b.stride() if isinstance(b, torch.Tensor) else None)
+
+    @classmethod
+    def check(cls, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> str:
+        return cls.check_gemm(a, b, config)
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None, *, op: str = "matmul"):
+        self.op = op
+        (M, K), N, dtype = a.shape, b.shape[1], a.dtype
+        self.M, self.N, self.K, self.dtype, self.b_t = M, N, K, dtype, transposed(b)
+        self.remember(a=a, b=b)
+        self.config = cfg = (config or matmul_config(M, N, K, dtype)).validate()
+        self._launch = None
+        if M * N == 0 or K == 0:
+            return  # nothing to compute: the output is empty, or zeros
+        grid = (min(num_sms(), cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)),)
+        per_call = ("a_desc", "b_desc", "c_desc")
+        if cfg.pingpong and pingpong.usable(self.device, dtype) and not self.b_t:  # ping-pong reads B as (K, N)
+            # 4 warps per consumer, and the register budget the three roles share (168 x 384 threads = the SM's 64K)
+            made = pingpong.describers(dtype, cfg.block_m, cfg.block_n, cfg.block_k)
+            describe = dict(zip(per_call, made, strict=True))
+            self._launch = Launcher(pingpong._pingpong_kernel, grid, per_call, describe, M=M, N=N, K=K,
+                                    GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=4, maxnreg=168)
+        else:
+            self._launch = Launcher(_matmul_kernel, grid, per_call, gemm_describers(cfg, self.b_t), M=M, N=N, K=K,
+                                    BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+                                    STAGES=cfg.num_stages, FLATTEN=cfg.flatten, B_T=self.b_t, num_warps=cfg.num_warps)
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """a @ b into `out` (a new tensor by default)."""
+        a, b = self.operands(0, a, b)
+        c = new_output(self.op, out, (self.M, self.N), self.dtype, aligned=True)
+        if self._launch is None:
+            return c.zero_()
+        self._launch(a, b, c)
+        return c
+
+
+_matmul = declare(MatmulPlan, "(Tensor a, Tensor b) -> Tensor")
+
+
+@_matmul.public
 def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b with the persistent descriptor GEMM: (M, K) @ (K, N) -> (M, N), fp32 accumulation. Not collective.
     `b` may be the transposed view of a contiguous (N, K) matrix (``x @ weight.t()``): it is read in place."""
-    return plan(a, b, config)(a, b, out=out)
-
-
-plans.attach(matmul, plan)
+    return _matmul(a, b, config, out=out)

@@ -32,26 +32,23 @@ import triton.language as tl
 
 from ... import language as pkl
 from ...runtime.context import context
-from ...runtime.errors import PKError
 from ...runtime.heap import heap
 from ...runtime.launch import Launcher
 from ...runtime.sizes import cdiv
 from ...template import grid, lcsc, meeting
-from .. import plan as plans
-from ._tuning import check_comm_sms, choose
+from ..descriptors import descriptor
+from ..plan import declare
+from ._tuning import choose
 from .matmul import (
+    FusedPlan,
     MatmulConfig,
     MatmulPlan,
-    Tiles,
-    check_operands,
     column_halves,
     default_config,
-    descriptor,
     gemm_describers,
     gemm_tile,
-    new_output,
-    operands,
     tile_coords,
+    tiles,
 )
 from .matmul_reduce_scatter import push_share, take_shares
 
@@ -61,16 +58,13 @@ def reference_matmul_all_reduce(a_parts: list[torch.Tensor], b_parts: list[torch
     return sum(a.double() @ b.double() for a, b in zip(a_parts, b_parts, strict=True))
 
 
-class Args(NamedTuple):
-    a_desc: object
-    b_desc: object
-    buf_ptr: object  # (W * slot_rows, BN) in symmetric memory: slot r holds rank r's shares of this rank's tiles
+class Buffers(NamedTuple):
+    """What a plan fixes: the shares', results' and counters' buffers (symmetric memory) and the sizes."""
+
+    buf_ptr: object  # (W * slot_rows, BN): slot r holds rank r's shares of this rank's tiles
     buf_handle: object
-    buf_desc: object
-    res_ptr: object  # (M, N) in symmetric memory: the sums of this rank's tiles, which peers read
+    res_ptr: object  # (M, N): the sums of this rank's tiles, which peers read
     res_handle: object
-    res_desc: object
-    out_desc: object
     ctr_ptr: object  # per tile: shares in (reset by the owner), then result ready (reset by the reader)
     ctr_handle: object
     M: object
@@ -78,7 +72,20 @@ class Args(NamedTuple):
     K: object
     slot_rows: object  # BM rows per tile of the longest range
     tiles: object
-    call: object  # the meeting
+    num_comm_tasks: object
+
+
+class Args(NamedTuple):
+    """The roles' run-time values: the call's operands and output, the plan's descriptors and `Buffers`, the
+    meeting."""
+
+    a_desc: object
+    b_desc: object
+    out_desc: object
+    buf_desc: object
+    res_desc: object
+    S: object
+    call: object
 
 
 @triton.jit
@@ -101,8 +108,8 @@ def _swept_tile(i, rank, world, tiles):
 
 @triton.jit
 def _consumer(G, C, task, loader):
-    tile = _swept_tile(task, G.call.rank, G.call.world, G.tiles)
-    acc, pid_m, pid_n = gemm_tile(G.a_desc, G.b_desc, G.M, G.N, G.K, tile, C)
+    tile = _swept_tile(task, G.call.rank, G.call.world, G.S.tiles)
+    acc, pid_m, pid_n = gemm_tile(G.a_desc, G.b_desc, G.S.M, G.S.N, G.S.K, tile, C)
     return acc, tile, pid_m * C.BM, pid_n * C.BN
 
 
@@ -112,21 +119,21 @@ def _storer(G, C, task, result):
     dtype = G.out_desc.dtype
     half: tl.constexpr = C.BN // 2
     world = G.call.world
-    owner = _owner(tile, world, G.tiles)
+    owner = _owner(tile, world, G.S.tiles)
     left, right = column_halves(acc, C.BM, C.BN)
     # a slot holds the owner's tiles only, each a (BM, BN) block at the tile's place in the owner's range
-    at = (tile - _first_tile(owner, world, G.tiles)) * C.BM
+    at = (tile - _first_tile(owner, world, G.S.tiles)) * C.BM
     if owner != G.call.rank:
-        push_share(left, right, G.buf_ptr, G.buf_handle, owner, G.call.rank, world, G.ctr_ptr + tile, G.ctr_handle,
-                   G.slot_rows, C.BN, at, 0, C.BM, half)
+        push_share(left, right, G.S.buf_ptr, G.S.buf_handle, owner, G.call.rank, world, G.S.ctr_ptr + tile,
+                   G.S.ctr_handle, G.S.slot_rows, C.BN, at, 0, C.BM, half)
     else:
-        left, right = take_shares(left, right, G.buf_desc, G.ctr_ptr + tile, G.ctr_handle, G.call.rank, world,
-                                  G.slot_rows, at, 0, C.BM, half)
+        left, right = take_shares(left, right, G.buf_desc, G.S.ctr_ptr + tile, G.S.ctr_handle, G.call.rank, world,
+                                  G.S.slot_rows, at, 0, C.BM, half)
         if world > 1:  # the sum for the peers to read
             G.res_desc.store([row, col], left.to(dtype))
             G.res_desc.store([row, col + half], right.to(dtype))
-            ready = G.ctr_ptr + G.tiles + tile
-            pkl.signal_all(ready, G.ctr_handle)  # ready, on every rank
+            ready = G.S.ctr_ptr + G.S.tiles + tile
+            pkl.signal_all(ready, G.S.ctr_handle)  # ready, on every rank
             tl.debug_barrier()
             tl.atomic_add(ready, -1, sem="relaxed", scope="gpu")  # except this one
         G.out_desc.store([row, col], left.to(dtype))
@@ -137,119 +144,82 @@ def _storer(G, C, task, result):
 def _communicator(G, C, task):
     """Read the task-th tile this rank does not own from its owner, once it is ready, into the output."""
     world = G.call.world
-    tile = _swept_tile(task, G.call.rank, world, G.tiles)  # the others' ranges, in the order their owners finish
-    ready = G.ctr_ptr + G.tiles + tile
-    pkl.wait(ready, 1, G.ctr_handle)
+    tile = _swept_tile(task, G.call.rank, world, G.S.tiles)  # the others' ranges, in the order their owners finish
+    ready = G.S.ctr_ptr + G.S.tiles + tile
+    pkl.wait(ready, 1, G.S.ctr_handle)
     tl.store(ready, 0)
-    pid_m, pid_n = tile_coords(tile, G.M, G.N, C.BM, C.BN, C.GROUP_M)
+    pid_m, pid_n = tile_coords(tile, G.S.M, G.S.N, C.BM, C.BN, C.GROUP_M)
     half: tl.constexpr = C.BN // 2
-    src = pkl.peer_descriptor(G.res_ptr, G.res_handle, _owner(tile, world, G.tiles), [G.M, G.N], [G.N, 1],
+    src = pkl.peer_descriptor(G.S.res_ptr, G.S.res_handle, _owner(tile, world, G.S.tiles), [G.S.M, G.S.N], [G.S.N, 1],
                               [C.BM, half])
     for j in range(2):
         G.out_desc.store([pid_m * C.BM, pid_n * C.BN + j * half], src.load([pid_m * C.BM, pid_n * C.BN + j * half]))
 
 
-@triton.jit(do_not_specialize=["num_comm", "num_comm_tasks", "rank"])  # one binary for every rank
-def _mm_ar_kernel(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, res_ptr, res_handle, res_desc, out_desc, ctr_ptr,
-                  ctr_handle, M, N, K, slot_rows, tiles, num_comm_tasks, num_comm, meet_counters, meet_slots,
-                  meet_handle, sig, rank, world, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  GROUP_M: tl.constexpr, STAGES: tl.constexpr):
-    call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
-    G = Args(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, res_ptr, res_handle, res_desc, out_desc, ctr_ptr,
-             ctr_handle, M, N, K, slot_rows, tiles, call)
-    lcsc(G, Tiles(BM, BN, BK, GROUP_M, STAGES, False), tiles, num_comm_tasks, num_comm, None, _consumer, _storer,
-         _communicator, call)
+@triton.jit(do_not_specialize=["num_comm"])  # tuning tries several counts: one binary
+def _mm_ar_kernel(a_desc, b_desc, out_desc, buf_desc, res_desc, S, num_comm, meet, C):
+    call = meeting.begin(meet)
+    lcsc(Args(a_desc, b_desc, out_desc, buf_desc, res_desc, S, call), C, S.tiles, S.num_comm_tasks, num_comm, None,
+         _consumer, _storer, _communicator, call)
 
 
-class MatmulAllReducePlan:
+class MatmulAllReducePlan(FusedPlan):
     """sum over ranks of a @ b for one shape, dtype and configuration: the shares' and results' buffers and the
     counters on the heap, the communicator count (tuned once), descriptors and the bound kernel."""
 
     op = "matmul_all_reduce"
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, num_comm_sms: int | None, config: MatmulConfig | None):
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, num_comm_sms: int | None = None,
+                 config: MatmulConfig | None = None):
         ctx = context()
         world = ctx.local_world_size
-        self.dtype, self.device = a.dtype, ctx.device
+        self.dtype, self.b_t = a.dtype, False
         (self.M, self.K), self.N = a.shape, b.shape[1]
+        self.out_shape = (self.M, self.N)
+        self.remember(a=a, b=b)
         self.config = cfg = (config or default_config(a.dtype)).validate()
-        self._launch = None
         if world == 1:  # nothing to exchange: the plan is the plain GEMM's, on tiles chosen for its shape
-            self._alone = MatmulPlan(self.M, self.N, self.K, self.dtype, config, False, self.op)
-            self.config = self._alone.config  # what runs (num_comm_sms has nothing to do here)
+            self._alone = MatmulPlan(a, b.contiguous(), config, op=self.op)
+            self.config = self._alone.config
             return
-        self._alone = None
         sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), num_comm_sms, cfg)
         if self.M * self.N == 0:
             return
         M, N = self.M, self.N
-        tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-        slot_rows = cdiv(tiles, world) * cfg.block_m  # the longest range's tiles, stacked
+        num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+        slot_rows = cdiv(num_tiles, world) * cfg.block_m  # the longest range's tiles, stacked
         shares = heap().pool("fused.shares", world * slot_rows * cfg.block_n * a.dtype.itemsize)
         results = heap().pool("fused.scratch", M * N * a.dtype.itemsize)
         buf, res = shares.view((world * slot_rows, cfg.block_n), a.dtype), results.view((M, N), a.dtype)
-        ctr = heap().allocate(8 * tiles, f"{self.op}.counters")
+        ctr = heap().allocate(8 * num_tiles, f"{self.op}.counters")
         half = [cfg.block_m, cfg.block_n // 2]
         me = ctx.local_rank
-        not_mine = tiles - ((me + 1) * tiles // world - me * tiles // world)
+        not_mine = num_tiles - ((me + 1) * num_tiles // world - me * num_tiles // world)
+        buffers = Buffers(buf, shares.handle, res, results.handle, ctr.view(2 * num_tiles, torch.int32), ctr.handle,
+                          M, N, self.K, slot_rows, num_tiles, not_mine)
 
         def bound(num_comm: int) -> Launcher:
-            return Launcher(
-                _mm_ar_kernel, grid(tiles, num_comm), per_call=("a_desc", "b_desc", "out_desc"),
-                descriptors=gemm_describers(cfg, False, ("a_desc", "b_desc", "out_desc")), buf_ptr=buf,
-                buf_handle=shares.handle, buf_desc=descriptor(buf, half), res_ptr=res, res_handle=results.handle,
-                res_desc=descriptor(res, half), ctr_ptr=ctr.view(2 * tiles, torch.int32), ctr_handle=ctr.handle,
-                M=M, N=N, K=self.K, slot_rows=slot_rows, tiles=tiles, num_comm_tasks=not_mine, num_comm=num_comm,
-                BM=cfg.block_m,
-                BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
-                **meeting.meeting().args(sig))
+            return Launcher(_mm_ar_kernel, grid(num_tiles, num_comm), ("a_desc", "b_desc", "out_desc"),
+                            gemm_describers(cfg, False, ("a_desc", "b_desc", "out_desc")),
+                            buf_desc=descriptor(buf, half), res_desc=descriptor(res, half), S=buffers,
+                            num_comm=num_comm, meet=meeting.meeting().group(sig), C=tiles(cfg),
+                            num_warps=cfg.num_warps)
 
-        a, b = a.contiguous(), b.contiguous()  # what a call would pass
+        a, b = self.operands(0, a, b)  # what a call passes
         outputs: list[torch.Tensor] = []  # made only if tuning runs
 
         def run(launch: Launcher) -> None:
             if not outputs:
                 outputs.append(torch.empty(self.M, self.N, dtype=a.dtype, device=self.device))
-            self._run(launch, a, b, outputs[0])
+            launch(a, b, outputs[0])
 
         self._launch = choose(bound, num_comm_sms, run)
 
-    def _run(self, launch: Launcher, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
-        launch(a, b, c)
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The (M, N) sum over ranks of a @ b, into `out` (a new tensor by default)."""
-        if self._alone is not None:
-            return self._alone(a, b, out=out)
-        try:
-            a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device)
-            c = new_output(self.op, out, (self.M, self.N), self.dtype, self.device)
-        except PKError as e:
-            plans.refuse(int(self._launch is not None), e)
-        if self._launch is not None:
-            self._run(self._launch, a, b, c)
-        return c
+_matmul_all_reduce = declare(MatmulAllReducePlan, "(Tensor a, Tensor b) -> Tensor")
 
 
-def plan(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
-         config: MatmulConfig | None = None) -> MatmulAllReducePlan:
-    """The plan for matmul_all_reduce with operands like `a` and `b` (collective the first time)."""
-    op = "matmul_all_reduce"
-    key = (op, getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), num_comm_sms, config)
-    found = plans.find(key)
-    if found is not None:
-        return found
-
-    def check() -> str:
-        check_operands(op, a, b)
-        if config is not None:
-            config.validate()
-        check_comm_sms(op, num_comm_sms)
-        return f"{op} with {tuple(a.shape)}, {tuple(b.shape)}, {a.dtype}, num_comm_sms={num_comm_sms}, {config}"
-
-    return plans.get(key, lambda: MatmulAllReducePlan(a, b, num_comm_sms, config), check)
-
-
+@_matmul_all_reduce.public
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | None = None,
                       config: MatmulConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """sum over ranks of a @ b: `a` is (M, K/W), `b` (K/W, N); returns the full (M, N) sum on every rank.
@@ -260,18 +230,4 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, num_comm_sms: int | N
     timing the candidates once per plan (`ops/gemm/_tuning.py`), the same on every rank. At one rank it is
     `matmul` (no communicators).
     """
-    return plan(a, b, num_comm_sms=num_comm_sms, config=config)(a, b, out=out)
-
-
-plans.attach(matmul_all_reduce, plan)
-
-
-@torch.library.custom_op("parallelkittens::matmul_all_reduce", mutates_args=())
-def _matmul_all_reduce_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`matmul_all_reduce` as a torch custom op (default configuration), for code compiled with torch.compile."""
-    return matmul_all_reduce(a, b)
-
-
-@_matmul_all_reduce_op.register_fake
-def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a.new_empty(a.shape[0], b.shape[1])
+    return _matmul_all_reduce(a, b, num_comm_sms, config, out=out)

@@ -12,8 +12,8 @@ persistent GEMM with the output tile written once.
 Each share crosses NVLink once, in the input dtype, as NCCL's bf16 reduce-scatter sends bf16 (half the bytes of
 an fp32 share); the sum is fp32, in the same order at every call, so results are bitwise reproducible however
 the shares' arrivals interleave. The price is memory: the buffer holds W slots of the block (M x N elements in
-all, the size of the whole product). (Until 2026-12-06 the shares were reduce-added into one slot in arrival
-order: bf16 sums rounded at each add, and at 3 ranks or more results changed in the last bits between calls.)
+all, the size of the whole product). (Shares reduce-added into one slot in arrival order, tried first, rounded the
+bf16 sums at each add, and at 3 ranks or more results changed in the last bits between calls.)
 
 The kernel opens with the meeting (`template/meeting.py`), which is also what orders one call after the previous
 one (no rank overwrites a share before its owner has read it). If the ranks disagree on the call,
@@ -35,20 +35,18 @@ from ...runtime.heap import heap
 from ...runtime.launch import Launcher
 from ...runtime.sizes import cdiv
 from ...template import grid, lcsc, meeting
-from .. import plan as plans
+from ..descriptors import descriptor
+from ..plan import declare
 from .matmul import (
+    FusedPlan,
     MatmulConfig,
     MatmulPlan,
-    Tiles,
-    check_operands,
     column_halves,
     default_config,
-    descriptor,
     gemm_describers,
     mainloop,
-    new_output,
-    operands,
     tile_coords,
+    tiles,
     transposed,
 )
 
@@ -60,22 +58,30 @@ def reference_matmul_reduce_scatter(a_parts: list[torch.Tensor], b_parts: list[t
     return total.chunk(len(a_parts))[rank]
 
 
-class Args(NamedTuple):
-    a_desc: object
-    b_desc: object
-    buf_ptr: object  # (W * slot_rows, N) in symmetric memory: slot r holds rank r's shares of this rank's tiles
+class Buffers(NamedTuple):
+    """What a plan fixes: the shares' buffer and counters (symmetric memory) and the sizes."""
+
+    buf_ptr: object  # (W * slot_rows, N): slot r holds rank r's shares of this rank's tiles
     buf_handle: object
-    buf_desc: object
     ctr_ptr: object  # per tile of this rank's block: shares in; owners reset them
     ctr_handle: object
-    out_desc: object
     M: object
     N: object
     K: object
     m_block: object
     slot_rows: object  # m_block rounded up to whole tiles
     per_owner: object  # tiles in one rank's row block
-    call: object  # the meeting
+
+
+class Args(NamedTuple):
+    """The roles' run-time values: the call's operands and output, the shares' descriptor, `Buffers`, the meeting."""
+
+    a_desc: object
+    b_desc: object
+    out_desc: object
+    buf_desc: object
+    S: object
+    call: object
 
 
 @triton.jit
@@ -108,11 +114,11 @@ def take_shares(left, right, buf, counter, hc, me, world, slot_rows, row, col, B
 
 @triton.jit
 def _consumer(G, C, task, loader):
-    owner = (G.call.rank + 1 + task // G.per_owner) % G.call.world  # the next rank's block first, its own last
-    pid_m, pid_n = tile_coords(task % G.per_owner, G.m_block, G.N, C.BM, C.BN, C.GROUP_M)
+    owner = (G.call.rank + 1 + task // G.S.per_owner) % G.call.world  # the next rank's block first, its own last
+    pid_m, pid_n = tile_coords(task % G.S.per_owner, G.S.m_block, G.S.N, C.BM, C.BN, C.GROUP_M)
     # A's descriptor covers all of A: a tile past the end of the owner's block reads the next block's rows,
     # whose results the clipped stores below drop.
-    acc = mainloop(G.a_desc, G.b_desc, owner * G.m_block + pid_m * C.BM, pid_n * C.BN, G.K, C.BM, C.BN, C.BK,
+    acc = mainloop(G.a_desc, G.b_desc, owner * G.S.m_block + pid_m * C.BM, pid_n * C.BN, G.S.K, C.BM, C.BN, C.BK,
                    C.STAGES, 0, C.B_T)
     return acc, owner, pid_m * C.BM, pid_n * C.BN
 
@@ -120,51 +126,57 @@ def _consumer(G, C, task, loader):
 @triton.jit
 def _storer(G, C, task, result):
     acc, owner, row, col = result
-    counter = G.ctr_ptr + task % G.per_owner
+    counter = G.S.ctr_ptr + task % G.S.per_owner
     left, right = column_halves(acc, C.BM, C.BN)
     half: tl.constexpr = C.BN // 2
     if owner != G.call.rank:
-        push_share(left, right, G.buf_ptr, G.buf_handle, owner, G.call.rank, G.call.world, counter, G.ctr_handle,
-                   G.slot_rows, G.N, row, col, C.BM, half)
+        push_share(left, right, G.S.buf_ptr, G.S.buf_handle, owner, G.call.rank, G.call.world, counter, G.S.ctr_handle,
+                   G.S.slot_rows, G.S.N, row, col, C.BM, half)
     else:
-        left, right = take_shares(left, right, G.buf_desc, counter, G.ctr_handle, G.call.rank, G.call.world,
-                                  G.slot_rows, row, col, C.BM, half)
+        left, right = take_shares(left, right, G.buf_desc, counter, G.S.ctr_handle, G.call.rank, G.call.world,
+                                  G.S.slot_rows, row, col, C.BM, half)
         G.out_desc.store([row, col], left.to(G.out_desc.dtype))
         G.out_desc.store([row, col + half], right.to(G.out_desc.dtype))
 
 
-@triton.jit(do_not_specialize=["rank"])  # one binary for every rank (Triton would fold rank 1 into a constant)
-def _mm_rs_kernel(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, ctr_ptr, ctr_handle, out_desc, M, N, K, m_block,
-                  slot_rows, per_owner, meet_counters, meet_slots, meet_handle, sig, rank, world, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
-                  B_T: tl.constexpr):
-    call = meeting.begin(meet_counters, meet_slots, meet_handle, sig, rank, world)
-    G = Args(a_desc, b_desc, buf_ptr, buf_handle, buf_desc, ctr_ptr, ctr_handle, out_desc, M, N, K, m_block,
-             slot_rows, per_owner, call)
-    lcsc(G, Tiles(BM, BN, BK, GROUP_M, STAGES, B_T), world * per_owner, 0, 0, None, _consumer, _storer, None, call)
+@triton.jit
+def _mm_rs_kernel(a_desc, b_desc, out_desc, buf_desc, S, meet, C):
+    call = meeting.begin(meet)
+    lcsc(Args(a_desc, b_desc, out_desc, buf_desc, S, call), C, call.world * S.per_owner, 0, 0, None, _consumer,
+         _storer, None, call)
 
 
-class MatmulReduceScatterPlan:
+class MatmulReduceScatterPlan(FusedPlan):
     """sum over ranks of a @ b, scattered by rows, for one shape, dtype and configuration: the shares' buffer and
     counters on the heap, descriptors and the bound kernel. A plan made for a transposed view b
     (`matmul.transposed`) reads it in place."""
 
     op = "matmul_reduce_scatter"
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None):
-        ctx = context()
-        world = ctx.local_world_size
-        self.dtype, self.device = a.dtype, ctx.device
+    @classmethod
+    def key(cls, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> tuple:
+        return getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), config, transposed(b)
+
+    @classmethod
+    def check(cls, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> str:
+        description = cls.check_gemm(a, b, config)
+        world = context().local_world_size
+        if a.shape[0] % world:
+            raise PKError(f"{cls.op}: M={a.shape[0]} rows do not divide by the world size {world}")
+        return description
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None):
+        world = context().local_world_size
+        self.dtype, self.b_t = a.dtype, transposed(b)
         (self.M, self.K), self.N = a.shape, b.shape[1]
         self.m_block = self.M // world
+        self.out_shape = (self.m_block, self.N)
+        self.remember(a=a, b=b)
         self.config = cfg = (config or default_config(a.dtype)).validate()
-        self.b_t = transposed(b)
-        self._launch = None
         if world == 1:  # nothing to exchange: the plan is the plain GEMM's, on tiles chosen for its shape
-            self._alone = MatmulPlan(self.M, self.N, self.K, self.dtype, config, self.b_t, self.op)
-            self.config = self._alone.config  # what runs (num_comm_sms has nothing to do here)
+            self._alone = MatmulPlan(a, b, config, op=self.op)
+            self.config = self._alone.config
             return
-        self._alone = None
         sig = meeting.signature(self.op, tuple(a.shape), tuple(b.shape), str(a.dtype), cfg, self.b_t)
         if self.m_block * self.N == 0:
             return
@@ -173,49 +185,23 @@ class MatmulReduceScatterPlan:
         shares = heap().pool("fused.shares", world * slot_rows * self.N * a.dtype.itemsize)
         buf = shares.view((world * slot_rows, self.N), a.dtype)
         ctr = heap().allocate(4 * per_owner, f"{self.op}.counters")
-        half = [cfg.block_m, cfg.block_n // 2]
+        buffers = Buffers(buf, shares.handle, ctr.view(per_owner, torch.int32), ctr.handle, self.M, self.N, self.K,
+                          self.m_block, slot_rows, per_owner)
         self._launch = Launcher(
-            _mm_rs_kernel, grid(world * per_owner, 0), per_call=("a_desc", "b_desc", "out_desc"),
-            descriptors=gemm_describers(cfg, self.b_t, ("a_desc", "b_desc", "out_desc")), buf_ptr=buf,
-            buf_handle=shares.handle, buf_desc=descriptor(buf, half), ctr_ptr=ctr.view(per_owner, torch.int32),
-            ctr_handle=ctr.handle, M=self.M, N=self.N, K=self.K, m_block=self.m_block, slot_rows=slot_rows,
-            per_owner=per_owner, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-            STAGES=cfg.num_stages, B_T=self.b_t, num_warps=cfg.num_warps, **meeting.meeting().args(sig))
+            _mm_rs_kernel, grid(world * per_owner, 0), ("a_desc", "b_desc", "out_desc"),
+            gemm_describers(cfg, self.b_t, ("a_desc", "b_desc", "out_desc")),
+            buf_desc=descriptor(buf, [cfg.block_m, cfg.block_n // 2]), S=buffers, meet=meeting.meeting().group(sig),
+            C=tiles(cfg, self.b_t), num_warps=cfg.num_warps)
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's (M/W, N) row block of the sum over ranks of a @ b, into `out` (new by default)."""
-        if self._alone is not None:
-            return self._alone(a, b, out=out)
-        try:
-            a, b = operands(self.op, a, b, (self.M, self.K), (self.K, self.N), self.dtype, self.device, self.b_t)
-            c = new_output(self.op, out, (self.m_block, self.N), self.dtype, self.device)
-        except PKError as e:
-            plans.refuse(int(self._launch is not None), e)
-        if self._launch is not None:
-            self._launch(a, b, c)
-        return c
+    @staticmethod
+    def fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a.new_empty(a.shape[0] // context().local_world_size, b.shape[1])
 
 
-def plan(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None) -> MatmulReduceScatterPlan:
-    """The plan for matmul_reduce_scatter with operands like `a` and `b` (collective the first time)."""
-    op = "matmul_reduce_scatter"
-    key = (op, getattr(a, "shape", None), getattr(b, "shape", None), getattr(a, "dtype", None), config, transposed(b))
-    found = plans.find(key)
-    if found is not None:
-        return found
-
-    def check() -> str:
-        check_operands(op, a, b)
-        if config is not None:
-            config.validate()
-        world = context().local_world_size
-        if a.shape[0] % world:
-            raise PKError(f"{op}: M={a.shape[0]} rows do not divide by the world size {world}")
-        return f"{op} with {tuple(a.shape)}, {tuple(b.shape)}, {a.dtype}, {config}"
-
-    return plans.get(key, lambda: MatmulReduceScatterPlan(a, b, config), check)
+_matmul_reduce_scatter = declare(MatmulReduceScatterPlan, "(Tensor a, Tensor b) -> Tensor")
 
 
+@_matmul_reduce_scatter.public
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None,
                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over ranks of a @ b, scattered by rows: `a` is (M, K/W), `b` (K/W, N); returns (M/W, N).
@@ -225,18 +211,4 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, config: MatmulCon
     the input dtype (as NCCL does) and summed in fp32 in rank order: bitwise reproducible; M must divide by the
     world size; K/W and N multiples of 8 (TMA rows). At one rank it is `matmul`.
     """
-    return plan(a, b, config=config)(a, b, out=out)
-
-
-plans.attach(matmul_reduce_scatter, plan)
-
-
-@torch.library.custom_op("parallelkittens::matmul_reduce_scatter", mutates_args=())
-def _matmul_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`matmul_reduce_scatter` as a torch custom op (default configuration), for code compiled with torch.compile."""
-    return matmul_reduce_scatter(a, b)
-
-
-@_matmul_reduce_scatter_op.register_fake
-def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a.new_empty(a.shape[0] // context().local_world_size, b.shape[1])
+    return _matmul_reduce_scatter(a, b, config, out=out)

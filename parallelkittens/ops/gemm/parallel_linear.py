@@ -28,7 +28,8 @@ from ...runtime.errors import PKError
 from ..collectives.all_gather import all_gather
 from ..collectives.all_reduce import all_reduce
 from ..collectives.all_to_all import all_to_all
-from . import all_gather_matmul as agmm
+from ..plan import Plan, check_tensor, declare
+from .all_gather_matmul import all_gather_matmul
 from .matmul_reduce_scatter import matmul_reduce_scatter
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float64)  # float64: the exact, unfused path (for gradcheck)
@@ -85,11 +86,7 @@ def check_linear(layer: str, x: torch.Tensor, w_t: torch.Tensor, bias: torch.Ten
                  ) -> None:
     """Refuse, naming the layer, what the fused GEMMs cannot take."""
     ctx = context()
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise PKError(f"{layer}: the input must be a 2-D (tokens, features) tensor (flatten batch and sequence "
-                      f"first), got {getattr(x, 'shape', type(x).__name__)}")
-    if x.device != ctx.device:
-        raise PKError(f"{layer}: the input is on {x.device}, but this rank's device is {ctx.device}")
+    check_tensor(layer, "the input", x, ndim=2, what="(tokens, features)")
     if x.dtype != w_t.dtype:
         raise PKError(f"{layer}: the input is {x.dtype} but the weight {w_t.dtype}")
     if x.dtype not in DTYPES:
@@ -109,127 +106,96 @@ def _bias_added(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y.add_(bias)
 
 
-@torch.library.custom_op("parallelkittens::column_parallel_linear", mutates_args=())
-def _column(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, save_gathered: bool
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.dtype == torch.float64:
-        full = _gather64(x)
-        return _bias_added(full @ w_t, bias), full if save_gathered else x.new_empty(0)
-    plan = agmm.plan(x, w_t)
-    y = _bias_added(plan(x, w_t), bias)
-    gathered = plan.gathered(x) if save_gathered else x.new_empty(0)
-    return y, gathered
+class LinearPlan(Plan):
+    """The base of the two maps' plans: nothing is built here (the fused GEMMs' own plans are, when first called),
+    and the layers check their inputs with their own names (`check_linear`) before the call."""
+
+    collective = False
+    differentiable = 1
+
+    @classmethod
+    def key(cls, x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, *options: bool) -> tuple:
+        return x.shape, w_t.shape, x.dtype, bias is None, *options
+
+    def __init__(self, x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, *options: bool):
+        self.exact = x.dtype == torch.float64
 
 
-@_column.register_fake
-def _(x, w_t, bias, save_gathered):
-    world = context().local_world_size
-    rows = x.shape[0] * world
-    return x.new_empty(rows, w_t.shape[1]), x.new_empty((rows, x.shape[1]) if save_gathered else (0,))
+class ColumnLinearPlan(LinearPlan):
+    """all_gather(x) @ w_t + bias, and its backward (see the module's docstring)."""
+
+    op = "column_parallel_linear"
+    saves = (1,)  # the gathered input
+
+    def forward(self, x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, save_gathered: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.exact:
+            full = _gather64(x)
+            return _bias_added(full @ w_t, bias), full if save_gathered else x.new_empty(0)
+        plan = all_gather_matmul.plan(x, w_t)
+        y = _bias_added(plan(x, w_t), bias)
+        return y, plan.gathered(x) if save_gathered else x.new_empty(0)
+
+    @staticmethod
+    def fake(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, save_gathered: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = x.shape[0] * context().local_world_size
+        return x.new_empty(rows, w_t.shape[1]), x.new_empty((rows, x.shape[1]) if save_gathered else (0,))
+
+    def backward(self, grads: list[torch.Tensor], saved: list[torch.Tensor], needs: list[bool], x: torch.Tensor,
+                 w_t: torch.Tensor, bias: torch.Tensor | None, save_gathered: bool) -> tuple:
+        (dy,), (gathered,) = grads, saved
+        # the input gradient's reduce-scatter is collective: every rank runs it when there are peers
+        need_dx, need_dw, need_db = needs[0] or context().local_world_size > 1, needs[1], needs[2]
+        dy = dy.contiguous()
+        if need_dw and not save_gathered:  # the forward kept only this rank's rows
+            gathered = _gather64(x) if self.exact else all_gather(x.contiguous(), 0)
+
+        def input_gradient() -> torch.Tensor | None:
+            if not need_dx:
+                return None
+            return _reduce_scatter64(dy @ w_t.t()) if self.exact else matmul_reduce_scatter(dy, w_t.t())
+
+        # the weight gradient on a side stream while the input gradient's reduce-scatter runs
+        dw_t, dx = _overlapped(lambda: torch.matmul(gathered.t(), dy) if need_dw else None, input_gradient)
+        db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if need_db else None
+        return dx, dw_t, db
 
 
-@torch.library.custom_op("parallelkittens::column_parallel_linear_backward", mutates_args=())
-def _column_backward(dy: torch.Tensor, x: torch.Tensor, gathered: torch.Tensor, w_t: torch.Tensor,
-                     needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """needs: [dx, dw_t, db, regather (the forward kept only this rank's rows)]; a gradient not needed is an
-    empty tensor. dx's reduce-scatter is collective, so every rank runs it alike."""
-    need_dx, need_dw, need_db, regather = needs
-    dy = dy.contiguous()
-    exact = dy.dtype == torch.float64
-    if need_dw and regather:
-        gathered = _gather64(x) if exact else all_gather(x.contiguous(), 0)
+class RowLinearPlan(LinearPlan):
+    """reduce_scatter(x @ w_t) + bias, and its backward (see the module's docstring)."""
 
-    def input_gradient() -> torch.Tensor:
-        if not need_dx:
-            return dy.new_empty(0)
-        return _reduce_scatter64(dy @ w_t.t()) if exact else matmul_reduce_scatter(dy, w_t.t())
+    op = "row_parallel_linear"
 
-    # the weight gradient on a side stream while the input gradient's reduce-scatter runs
-    dw_t, dx = _overlapped(lambda: torch.matmul(gathered.t(), dy) if need_dw else dy.new_empty(0), input_gradient)
-    db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if need_db else dy.new_empty(0)
-    return dx, dw_t, db
+    def forward(self, x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.exact:
+            return _bias_added(_reduce_scatter64(x @ w_t), bias)
+        return _bias_added(matmul_reduce_scatter(x, w_t), bias)
 
+    @staticmethod
+    def fake(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty(x.shape[0] // context().local_world_size, w_t.shape[1])
 
-@_column_backward.register_fake
-def _(dy, x, gathered, w_t, needs):
-    sizes = ((dy.shape[0] // context().local_world_size, w_t.shape[0]), w_t.shape, (dy.shape[1],))
-    return tuple(dy.new_empty(size if need else (0,)) for size, need in zip(sizes, needs[:3], strict=True))
-
-
-def _column_setup(ctx, inputs, output) -> None:
-    x, w_t, bias, save_gathered = inputs
-    ctx.mark_non_differentiable(output[1])
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x.new_empty(0) if save_gathered else x, output[1], w_t)
-    ctx.has_bias, ctx.regather = bias is not None, not save_gathered
+    def backward(self, grads: list[torch.Tensor], saved: list[torch.Tensor], needs: list[bool], x: torch.Tensor,
+                 w_t: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        """The gather of dy runs on every rank (collective); dw_t reads it straight from the fused kernel's
+        scratch."""
+        need_dx, need_dw, need_db = needs
+        dy = grads[0].contiguous()
+        if self.exact:
+            full = _gather64(dy)
+            db = _all_reduce64(dy.sum(0)) if need_db else None
+            return full @ w_t.t(), x.t() @ full, db
+        w = w_t.t()  # a transposed view: the fused GEMM reads it in place
+        plan = all_gather_matmul.plan(dy, w)
+        dx = plan(dy, w)
+        dw_t = torch.matmul(x.t(), plan.gathered(dy, copy=False)) if need_dw else None
+        db = all_reduce(dy.sum(0, dtype=torch.float32)).to(dy.dtype) if need_db else None
+        return dx, dw_t, db
 
 
-def _column_grads(ctx, dy, _gathered):
-    if dy is None:  # the output took no part in the loss
-        return None, None, None, None
-    x, gathered, w_t = ctx.saved_tensors
-    # the input gradient's reduce-scatter is collective: every rank runs it when there are peers
-    needs = [ctx.needs_input_grad[0] or context().local_world_size > 1, ctx.needs_input_grad[1],
-             ctx.has_bias and ctx.needs_input_grad[2], ctx.regather]
-    dx, dw_t, db = _column_backward(dy, x, gathered, w_t, needs)
-    return (dx if ctx.needs_input_grad[0] else None), (dw_t if needs[1] else None), (db if needs[2] else None), None
-
-
-_column.register_autograd(_column_grads, setup_context=_column_setup)
-
-
-@torch.library.custom_op("parallelkittens::row_parallel_linear", mutates_args=())
-def _row(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if x.dtype == torch.float64:
-        return _bias_added(_reduce_scatter64(x @ w_t), bias)
-    return _bias_added(matmul_reduce_scatter(x, w_t), bias)
-
-
-@_row.register_fake
-def _(x, w_t, bias):
-    return x.new_empty(x.shape[0] // context().local_world_size, w_t.shape[1])
-
-
-@torch.library.custom_op("parallelkittens::row_parallel_linear_backward", mutates_args=())
-def _row_backward(dy: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, needs: list[bool]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """needs: [dx, dw_t, db]; a gradient not needed is an empty tensor. The gather of dy runs on every rank
-    (collective); dw_t reads it straight from the fused kernel's scratch."""
-    need_dx, need_dw, need_db = needs
-    dy = dy.contiguous()
-    if dy.dtype == torch.float64:
-        full = _gather64(dy)
-        dx, dw_t = full @ w_t.t(), x.t() @ full
-        db = _all_reduce64(dy.sum(0)) if need_db else dy.new_empty(0)
-        return (dx if need_dx else dy.new_empty(0)), (dw_t if need_dw else dy.new_empty(0)), db
-    w = w_t.t()  # a transposed view: the fused GEMM reads it in place
-    plan = agmm.plan(dy, w)
-    dx = plan(dy, w)
-    dw_t = torch.matmul(x.t(), plan.gathered(dy, copy=False)) if need_dw else dy.new_empty(0)
-    db = all_reduce(dy.sum(0, dtype=torch.float32)).to(dy.dtype) if need_db else dy.new_empty(0)
-    return (dx if need_dx else dy.new_empty(0)), dw_t, db
-
-
-@_row_backward.register_fake
-def _(dy, x, w_t, needs):
-    sizes = (x.shape, w_t.shape, (dy.shape[1],))
-    return tuple(dy.new_empty(size if need else (0,)) for size, need in zip(sizes, needs, strict=True))
-
-
-def _row_setup(ctx, inputs, output) -> None:
-    x, w_t, bias = inputs
-    ctx.save_for_backward(x, w_t)
-    ctx.has_bias = bias is not None
-
-
-def _row_grads(ctx, dy):
-    x, w_t = ctx.saved_tensors
-    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
-    dx, dw_t, db = _row_backward(dy, x, w_t, needs)
-    return (dx if needs[0] else None), (dw_t if needs[1] else None), (db if needs[2] else None)
-
-
-_row.register_autograd(_row_grads, setup_context=_row_setup)
+_column = declare(ColumnLinearPlan, "(Tensor x, Tensor w_t, Tensor? bias, bool save_gathered) -> (Tensor, Tensor)")
+_row = declare(RowLinearPlan, "(Tensor x, Tensor w_t, Tensor? bias) -> Tensor")
 
 
 def column_parallel_linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -23,7 +23,9 @@ import functools
 
 import torch
 
-try:  # Triton >= 3.5 ships Gluon with Hopper's warp-group MMA; without it the `tl` GEMM is used
+from ..descriptors import GLUON, gluon_descriptor, hopper_gluon, shared_layout
+
+if GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -33,19 +35,10 @@ try:  # Triton >= 3.5 ships Gluon with Hopper's warp-group MMA; without it the `
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as HostDescriptor
 
-    AVAILABLE = hasattr(gl, "warp_specialize") and hasattr(tma, "make_tensor_descriptor")
-    # Triton 3.6 names the TMA copies async_copy_global_to_shared / _shared_to_global; 3.7+ async_load / _store
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-except ImportError:  # pragma: no cover - older Triton
-    AVAILABLE = False
+    from ..descriptors import tma_load as _tma_load
+    from ..descriptors import tma_store as _tma_store
 
-GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-if AVAILABLE:
 
     @gluon.jit
     def _tile_origin(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
@@ -141,38 +134,19 @@ if AVAILABLE:
         ], [4, 1], [232, 40])
 
 
-@functools.cache
 def layouts(dtype: torch.dtype, bm: int, bn: int, bk: int) -> tuple:
     """The shared-memory layouts (swizzles) of the A, B and C tiles."""
-    gl_dtype = getattr(gl, GL_DTYPES[dtype])
-    return (gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for([bk, bn], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for([bm, bn], gl_dtype))
+    return shared_layout(dtype, (bm, bk)), shared_layout(dtype, (bk, bn)), shared_layout(dtype, (bm, bn))
 
 
 def describers(dtype: torch.dtype, bm: int, bn: int, bk: int) -> tuple:
     """The functions making the kernel's TMA descriptors over a (M, K), b (K, N) and c (M, N) on the host
-    (`ops.gemm.matmul`'s docstring says why), for `Launcher`'s `descriptors`; the operands are contiguous,
-    16-byte aligned and not empty."""
+    (`ops/descriptors.py` says why), for `Launcher`'s `descriptors`; the operands are contiguous, 16-byte aligned and
+    not empty."""
     a_layout, b_layout, c_layout = layouts(dtype, bm, bn, bk)
-    return (functools.partial(descriptor, block=[bm, bk], layout=a_layout),
-            functools.partial(descriptor, block=[bk, bn], layout=b_layout),
-            functools.partial(descriptor, block=[bm, bn], layout=c_layout))
+    return (functools.partial(gluon_descriptor, block=[bm, bk], layout=a_layout),
+            functools.partial(gluon_descriptor, block=[bk, bn], layout=b_layout),
+            functools.partial(gluon_descriptor, block=[bm, bn], layout=c_layout))
 
 
-def descriptor(t: torch.Tensor, block: list[int], layout, view: tuple[list[int], list[int]] | None = None
-               ) -> HostDescriptor:
-    """A Gluon TMA descriptor over `t` (or over `view` = (shape, strides) of it), built without the class's own
-    checks (3 µs each on the host), as `ops.gemm.matmul.descriptor` is."""
-    desc = object.__new__(HostDescriptor)
-    desc.base, (desc.shape, desc.strides) = t, view or (t.shape, t.stride())
-    desc.block_shape, desc.layout, desc.padding = block, layout, "zero"
-    return desc
-
-
-@functools.cache  # asked on every call of the GEMM: the driver query costs microseconds
-def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the ping-pong kernel can run here: Gluon, a Hopper GPU, a 16-bit dtype."""
-    return (AVAILABLE and device.type == "cuda" and dtype in GL_DTYPES
-            and torch.cuda.get_device_capability(device)[0] == 9)
-
+usable = hopper_gluon  # whether the ping-pong kernel can run here: Gluon, a Hopper GPU, a 16-bit dtype

@@ -10,75 +10,75 @@ tiles were scheduled (no atomics).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from ...runtime.context import context
 from ...runtime.errors import PKError
 from ...runtime.heap import heap
-from ...runtime.sizes import cdiv, next_power_of_2
-from .. import plan as plans
-from .dispatch import check_weight
-from .grouped import GroupedGemm
-from .layout import MoeLayout
+from ..collectives.all_gather import all_gather
+from ..plan import Plan, check_tensor, declare, refuse
+from .dispatch import check_weight, moe_dispatch_gemm_op
+from .grouped import GroupedGemm, sum_slots
+from .layout import MoeLayout, layout_by_id, per_expert, rows_of
 
 
-def reference_moe_gemm_combine(rows_by_pair: dict, weights: torch.Tensor, kept: torch.Tensor,
-                               hidden: int) -> torch.Tensor:
-    """One rank's (T, H) in float64: for each token, the sum over its kept k pairs of weight times the pair's
-    output row (`rows_by_pair[(t, j)]`)."""
-    out = torch.zeros(weights.shape[0], hidden, dtype=torch.float64)
-    for t in range(weights.shape[0]):
-        for j in range(weights.shape[1]):
-            if kept[t, j]:
-                out[t] += weights[t, j].double() * rows_by_pair[(t, j)]
-    return out
+def check_rows(op: str, h: torch.Tensor, layout: MoeLayout) -> None:
+    check_tensor(op, "the expert rows", h, (torch.bfloat16, torch.float16, torch.float32), 2)
+    if h.shape[0] != layout.rows:
+        raise PKError(f"{op}: the expert rows must be ({layout.rows}, inner) as the layout has them, got "
+                      f"{tuple(h.shape)}")
 
 
-@triton.jit
-def _weighted_sum_kernel(slots_ptr, weights_ptr, kept_ptr, out_ptr, T, H, TOP_K: tl.constexpr, BT: tl.constexpr,
-                         BH: tl.constexpr, WEIGHTED: tl.constexpr):
-    tokens = tl.program_id(0) * BT + tl.arange(0, BT)
-    cols = tl.program_id(1) * BH + tl.arange(0, BH)
-    inside = (tokens < T)[:, None] & (cols < H)[None, :]
-    acc = tl.zeros([BT, BH], tl.float32)
-    for j in tl.static_range(TOP_K):  # slot order 0 .. k-1: the same sum every run
-        pair = tokens.to(tl.int64) * TOP_K + j
-        keep = tl.load(kept_ptr + pair, mask=tokens < T, other=0) != 0
-        row = tl.load(slots_ptr + pair[:, None] * H + cols[None, :], mask=inside & keep[:, None], other=0.0)
-        row = row.to(tl.float32)
-        if WEIGHTED:
-            row = row * tl.load(weights_ptr + pair, mask=tokens < T, other=0.0).to(tl.float32)[:, None]
-        acc += tl.where(keep[:, None], row, 0.0)
-    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=inside)
+def check_weights(op: str, weights: torch.Tensor, layout: MoeLayout) -> None:
+    check_tensor(op, "topk_weights", weights, ndim=2)
+    if tuple(weights.shape) != (layout.tokens, layout.top_k):
+        raise PKError(f"{op}: topk_weights must be ({layout.tokens}, {layout.top_k}) like the routing, got "
+                      f"{tuple(weights.shape)}")
+    if not weights.is_floating_point():
+        raise PKError(f"{op}: topk_weights must be floating point, got {weights.dtype}")
 
 
-def sum_slots(slots: torch.Tensor, kept: torch.Tensor, weights: torch.Tensor | None, dtype: torch.dtype
-              ) -> torch.Tensor:
-    """out[t] = sum over kept j, in order, of weights[t, j] (or 1) * slots[t, j]: (T, k, H) -> (T, H)."""
-    T, k, H = slots.shape
-    out = torch.empty(T, H, dtype=dtype, device=slots.device)
-    if T == 0 or H == 0:
-        return out
-    BT, BH = 16, min(256, next_power_of_2(H))
-    _weighted_sum_kernel[(cdiv(T, BT), cdiv(H, BH))](
-        slots, weights.contiguous() if weights is not None else slots, kept.view(torch.uint8), out, T, H, TOP_K=k,
-        BT=BT, BH=BH, WEIGHTED=weights is not None)
-    return out
+def _gathered_weights(weights: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
+    """Every rank's routing weights, (W * Tmax * k,) fp32, in the layout's pair order."""
+    padded = weights.new_zeros(layout.max_tokens, layout.top_k, dtype=torch.float32)
+    padded[:layout.tokens] = weights
+    return (all_gather(padded, 0) if layout.world > 1 else padded).reshape(-1)
 
 
-class CombinePlan:
+class CombinePlan(Plan):
     """moe_gemm_combine for one (max tokens, k, I, H, experts per rank, dtype, rows per tile): the parallel slot
-    buffer on the heap and the kernel's combine direction."""
+    buffer on the heap and the kernel's combine direction. The op's custom op names its layout by id and says
+    whether to keep the slots (for the routing weights' gradient)."""
 
     op = "moe_gemm_combine"
+    differentiable = 1
+    saves = (1,)  # the slots, where kept
 
-    def __init__(self, max_tokens: int, top_k: int, inner: int, hidden: int, epr: int, dtype: torch.dtype,
-                 block: int):
-        self.top_k, self.hidden, self.dtype = top_k, hidden, dtype
-        buffer = heap().allocate(max(1, max_tokens * top_k * hidden) * dtype.itemsize, f"{self.op}.slots")
-        self.slots, self.slots_handle = buffer.view((max_tokens * top_k, hidden), dtype), buffer.handle
-        self.gemm = GroupedGemm(self.op, False, inner, hidden, 0, dtype, block, 0, plan=(max_tokens, top_k, epr))
+    @classmethod
+    def key(cls, h: torch.Tensor, w: torch.Tensor, weights: torch.Tensor | None, layout_id: int,
+            keep_slots: bool = False) -> tuple:
+        layout = layout_by_id(layout_id)
+        return (layout.buffer_tokens, layout.top_k, tuple(getattr(w, "shape", ())), getattr(h, "dtype", None),
+                layout.block_rows)
+
+    @classmethod
+    def check(cls, h: torch.Tensor, w: torch.Tensor, weights: torch.Tensor | None, layout_id: int,
+              keep_slots: bool = False) -> str:
+        layout = layout_by_id(layout_id)
+        check_rows(cls.op, h, layout)
+        check_weight(cls.op, "w2", w, h.dtype, layout.experts_per_rank, h.shape[1])
+        if weights is not None:
+            check_weights(cls.op, weights, layout)
+        return (f"{cls.op} of up to {layout.buffer_tokens} tokens, top-{layout.top_k}, {layout.experts_per_rank} "
+                f"experts per rank of ({h.shape[1]}, {w.shape[2]}) {h.dtype}, tiles of {layout.block_rows} rows")
+
+    def __init__(self, h: torch.Tensor, w: torch.Tensor, weights: torch.Tensor | None, layout_id: int,
+                 keep_slots: bool = False):
+        layout = layout_by_id(layout_id)
+        max_tokens, top_k, hidden = layout.buffer_tokens, layout.top_k, w.shape[2]
+        self.top_k, self.hidden, self.dtype = top_k, hidden, h.dtype
+        buffer = heap().allocate(max(1, max_tokens * top_k * hidden) * h.dtype.itemsize, f"{self.op}.slots")
+        self.slots = buffer.view((max_tokens * top_k, hidden), h.dtype)
+        self.gemm = GroupedGemm(self.op, False, h.shape[1], hidden, 0, h.dtype, layout.block_rows, 0,
+                                plan=(max_tokens, top_k, layout.experts_per_rank), out_handle=buffer.handle)
 
     def __call__(self, h: torch.Tensor, w: torch.Tensor, layout: MoeLayout, weights: torch.Tensor | None = None
                  ) -> torch.Tensor:
@@ -93,48 +93,49 @@ class CombinePlan:
             if weights is not None:
                 check_weights(self.op, weights, layout)
         except PKError as e:
-            plans.refuse(1, e)
-        self.gemm(a=h.contiguous(), b=w, out=self.slots, out_handle=self.slots_handle, row_index=layout.row_slot,
-                  row_src=layout.row_src, tile_expert=layout.tile_expert, tile_start=layout.tile_start,
-                  tile_end=layout.tile_end, num_row_tiles=layout.num_row_tiles)
+            refuse(1, e)
+        self.gemm(a=h.contiguous(), b=w, out=self.slots, row_index=layout.row_slot, row_src=layout.row_src,
+                  tile_expert=layout.tile_expert, tile_start=layout.tile_start, tile_end=layout.tile_end,
+                  num_row_tiles=layout.num_row_tiles)
         return self.slots[:layout.tokens * self.top_k].view(layout.tokens, self.top_k, self.hidden)
 
+    def forward(self, h: torch.Tensor, w: torch.Tensor, weights: torch.Tensor, layout_id: int, keep_slots: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = layout_by_id(layout_id)
+        slots = self(h, w, layout, weights)
+        out = sum_slots(slots, layout.kept, weights, h.dtype)
+        return out, slots.clone() if keep_slots else h.new_empty(0)
 
-def plan(h: torch.Tensor, w: torch.Tensor, layout: MoeLayout, weights: torch.Tensor | None = None) -> CombinePlan:
-    """The plan for combines of expert rows like `h` through experts like `w` (collective the first time)."""
-    op = "moe_gemm_combine"
-    key = (op, layout.buffer_tokens, layout.top_k, tuple(getattr(w, "shape", ())), getattr(h, "dtype", None),
-           layout.block_rows)
-    found = plans.find(key)
-    if found is not None:
-        return found
+    @staticmethod
+    def fake(h: torch.Tensor, w: torch.Tensor, weights: torch.Tensor, layout_id: int, keep_slots: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = layout_by_id(layout_id)
+        slots = (layout.tokens, layout.top_k, w.shape[2]) if keep_slots else (0,)
+        return h.new_empty(layout.tokens, w.shape[2]), h.new_empty(slots)
 
-    def check() -> str:
-        check_rows(op, h, layout)
-        check_weight(op, "w2", w, h.dtype, layout.experts_per_rank, h.shape[1])
-        if weights is not None:
-            check_weights(op, weights, layout)
-        return (f"{op} of up to {layout.buffer_tokens} tokens, top-{layout.top_k}, {layout.experts_per_rank} experts "
-                f"per rank of ({h.shape[1]}, {w.shape[2]}) {h.dtype}, tiles of {layout.block_rows} rows")
+    @staticmethod
+    def keep(h: torch.Tensor, w: torch.Tensor, weights: torch.Tensor, layout_id: int, keep_slots: bool) -> MoeLayout:
+        return layout_by_id(layout_id)  # held until the backward has run, however the caller keeps it
 
-    return plans.get(key, lambda: CombinePlan(layout.buffer_tokens, layout.top_k, h.shape[1], w.shape[2],
-                                              layout.experts_per_rank, h.dtype, layout.block_rows), check)
+    def backward(self, grads: list[torch.Tensor], saved: list[torch.Tensor], needs: list[bool], h: torch.Tensor,
+                 w: torch.Tensor, weights: torch.Tensor, layout_id: int, keep_slots: bool) -> tuple:
+        """dh = the dispatch kernel on dout with w2 transposed, each row scaled by its pair's weight (the weights
+        are gathered from their ranks); dw2[e] = hᵀ (w · rows(dout)) over expert e's rows; dw[t, j] = <dout[t],
+        out row of pair (t, j)> (the forward keeps the slots when the weights need a gradient)."""
+        layout = layout_by_id(layout_id)
+        dout, (slots,) = grads[0].contiguous().to(h.dtype), saved
+        scale = _gathered_weights(weights, layout)[layout.row_pair]
+        w_t = w.transpose(1, 2)
+        dh, received = moe_dispatch_gemm_op.plan(dout, w_t, layout_id)(dout, w_t, layout, row_scale=scale)
+        dw = dweights = None
+        if needs[1]:
+            dw = per_expert(h, rows_of(received if layout.world > 1 else dout, layout) * scale[:, None].to(h.dtype),
+                            layout)
+        if needs[2] and keep_slots:
+            products = torch.bmm(slots, dout[:, :, None]).squeeze(-1).float()  # no (T, k, H) fp32 temporaries
+            dweights = torch.where(layout.kept, products, 0).to(weights.dtype)  # a dropped pair's slot: not written
+        return dh, dw, dweights
 
 
-def check_rows(op: str, h: torch.Tensor, layout: MoeLayout) -> None:
-    ctx = context()
-    if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[0] != layout.rows:
-        raise PKError(f"{op}: the expert rows must be ({layout.rows}, inner) as the layout has them, got "
-                      f"{getattr(h, 'shape', h)}")
-    if h.dtype not in (torch.bfloat16, torch.float16, torch.float32) or h.device != ctx.device:
-        raise PKError(f"{op}: the expert rows are {h.dtype} on {h.device}; use bfloat16, float16 or float32 on "
-                      f"{ctx.device}")
-
-
-def check_weights(op: str, weights: torch.Tensor, layout: MoeLayout) -> None:
-    if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (layout.tokens, layout.top_k):
-        raise PKError(f"{op}: topk_weights must be ({layout.tokens}, {layout.top_k}) like the routing, got "
-                      f"{getattr(weights, 'shape', weights)}")
-    if not weights.is_floating_point() or weights.device != context().device:
-        raise PKError(f"{op}: topk_weights must be floating point on {context().device}, got {weights.dtype} on "
-                      f"{weights.device}")
+moe_gemm_combine_op = declare(CombinePlan, "(Tensor h, Tensor w2, Tensor weights, int layout_id, bool keep_slots) "
+                                           "-> (Tensor, Tensor)")

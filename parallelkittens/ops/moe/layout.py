@@ -22,6 +22,7 @@ dropless mode; in capacity mode (no synchronisation to check them) they are drop
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 
@@ -30,8 +31,8 @@ import torch
 from ...runtime.context import context, exchange
 from ...runtime.errors import PKError
 from ...runtime.sizes import cdiv
-from .. import plan as plans
 from ..collectives.all_gather import all_gather
+from ..plan import Plan, check_tensor, declare
 
 _IDS = itertools.count(1)
 
@@ -41,13 +42,49 @@ def layouts() -> weakref.WeakValueDictionary:
     return context().cache.setdefault("moe.layouts", weakref.WeakValueDictionary())
 
 
+def layout_by_id(layout_id: int) -> MoeLayout:
+    """The live layout of id `layout_id` (a custom op's argument), or a clear error."""
+    layout = layouts().get(layout_id)
+    if layout is None:
+        raise PKError(f"moe: layout {layout_id} no longer exists (keep the layout until the backward has run)")
+    return layout
+
+
+@dataclasses.dataclass(eq=False)
 class MoeLayout:
     """One routing's layout (see the module's docstring). Built by `moe_layout`; reused by both ops and their
-    backward. Sizes that are host integers: `tokens`, `max_tokens`, `rows` (this rank's expert rows; in capacity
-    mode experts_per_rank * capacity), `max_pulled` (received rows), `num_row_tiles`."""
+    backward. Tensors are on the rank's device; the rest are host values."""
 
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
+    num_experts: int
+    experts_per_rank: int
+    top_k: int
+    world: int
+    tokens: int  # this rank's
+    max_tokens: int  # the most any rank has
+    token_counts: list[int]  # every rank's
+    capacity: int | None  # rows per expert; None: dropless
+    block_rows: int  # rows per tile of the grouped GEMM, the same on every rank
+    kept: torch.Tensor  # (T, k) bool: this rank's pairs that have a row
+    dropped: torch.Tensor  # (T, k) bool: the others (over capacity, or an id outside [0, E) in capacity mode)
+    overflow: torch.Tensor  # (experts per rank,) int32: pairs each local expert dropped
+    pull_src: torch.Tensor  # per received row: its source rank (int32)
+    pull_tok: torch.Tensor  # per received row: its token there (int32)
+    pulled: torch.Tensor  # (1,) int32: how many rows arrive
+    max_pulled: int  # at most that many
+    row_recv: torch.Tensor  # per expert row: the received row it reads (int32)
+    row_src: torch.Tensor  # per expert row: its source rank (int32)
+    row_slot: torch.Tensor  # per expert row: its slot (token * k + j) on the source rank (int32)
+    row_pair: torch.Tensor  # per expert row: its global pair index (int64)
+    row_valid: torch.Tensor  # per expert row: whether a pair fills it (bool)
+    rows: int  # this rank's expert rows (experts per rank x capacity in capacity mode)
+    expert_offsets: list[int] | None  # dropless: each local expert's first row, and the end
+    tile_expert: torch.Tensor  # per row tile: its expert, first row and end row (int32)
+    tile_start: torch.Tensor
+    tile_end: torch.Tensor
+    num_row_tiles: int
+    id: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
         self.id = next(_IDS)
         layouts()[self.id] = self
 
@@ -69,6 +106,25 @@ class MoeLayout:
         mode = "dropless" if self.capacity is None else f"capacity={self.capacity}"
         return (f"MoeLayout(tokens={self.tokens}, top_k={self.top_k}, experts={self.num_experts}, {mode}, "
                 f"rows={self.rows}, pulled<={self.max_pulled})")
+
+
+def rows_of(source: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
+    """Each expert row's token row, from the received tokens (or x at one rank); zero for rows of no pair (a
+    select, not a product: those rows may read received rows never written, which may hold inf or NaN)."""
+    if source.shape[0] == 0:  # nothing was pulled (no tokens anywhere): every row is a row of no pair
+        return source.new_zeros(layout.rows, source.shape[1])
+    return torch.where(layout.row_valid[:, None], source[layout.row_recv.long()], 0)
+
+
+def per_expert(a: torch.Tensor, b: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
+    """(epr, K, N): for each local expert, aᵀ b over its rows (a (rows, K), b (rows, N))."""
+    if layout.capacity is not None:
+        cap, epr = layout.capacity, layout.experts_per_rank
+        return torch.bmm(a.view(epr, cap, -1).transpose(1, 2), b.view(epr, cap, -1))
+    out = a.new_empty(layout.experts_per_rank, a.shape[1], b.shape[1])
+    for e, (start, end) in enumerate(layout.expert_rows()):
+        torch.matmul(a[start:end].t(), b[start:end], out=out[e])
+    return out
 
 
 def reference_routing(ids: list[torch.Tensor], num_experts: int, capacity: int | None) -> list[torch.Tensor]:
@@ -95,15 +151,49 @@ def block_rows(rows_per_expert: float) -> int:
     return 128 if rows_per_expert >= 256 else 64
 
 
-class LayoutPlan:
+@dataclasses.dataclass
+class _Order:
+    """Every rank's pairs in the global order (`LayoutPlan._order`), as this rank derives them."""
+
+    counts: list[int]  # every rank's token count
+    t_max: int
+    pairs: torch.Tensor  # (W * Tmax * k,) the experts of every rank's pairs, -1 for padding
+    real: torch.Tensor  # not padding
+    valid: torch.Tensor  # real, with an id in [0, E)
+    rank_in_expert: torch.Tensor  # each pair's place among its expert's pairs
+    per_expert: torch.Tensor  # (E + 1,) pairs per expert, the last for invalid ones
+    mine: torch.Tensor  # kept, and one of this rank's experts'
+    kept: torch.Tensor
+    rotated: torch.Tensor  # per (source, token) whose token this rank pulls, sources from this rank on
+    pulled: torch.Tensor
+
+
+class LayoutPlan(Plan):
     """moe_layout for one (top_k, num_experts, capacity[, tokens]): sizes and, in capacity mode, the tile table."""
 
     op = "moe_layout"
 
-    def __init__(self, top_k: int, num_experts: int, capacity: int | None, tokens: int | None):
+    @classmethod
+    def key(cls, topk_ids: torch.Tensor, num_experts: int, *, capacity: int | None = None) -> tuple:
+        shape = getattr(topk_ids, "shape", None)
+        k = shape[1] if shape is not None and len(shape) == 2 else None
+        return k, num_experts, capacity, shape[0] if capacity is not None and k is not None else None
+
+    @classmethod
+    def check(cls, topk_ids: torch.Tensor, num_experts: int, *, capacity: int | None = None) -> str:
+        ctx = context()
+        check_tensor(cls.op, "topk_ids", topk_ids, (torch.int32, torch.int64), 2, what="(tokens, k)")
+        if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % ctx.local_world_size:
+            raise PKError(f"{cls.op}: {num_experts} experts do not split evenly among {ctx.local_world_size} ranks")
+        if capacity is not None and (not isinstance(capacity, int) or capacity <= 0):
+            raise PKError(f"{cls.op}: capacity must be a positive number of rows per expert, got {capacity}")
+        tail = "" if capacity is None else f", capacity={capacity}, tokens={topk_ids.shape[0]} (the same on every rank)"
+        return f"{cls.op} with top-{topk_ids.shape[1]} of {num_experts} experts{tail}"
+
+    def __init__(self, topk_ids: torch.Tensor, num_experts: int, *, capacity: int | None = None):
         ctx = context()
         self.world, self.me, self.device = ctx.local_world_size, ctx.local_rank, ctx.device
-        self.top_k, self.num_experts, self.capacity = top_k, num_experts, capacity
+        self.top_k, self.num_experts, self.capacity = topk_ids.shape[1], num_experts, capacity
         self.epr = num_experts // self.world
         if capacity is not None:
             self.block = block_rows(capacity)
@@ -111,10 +201,19 @@ class LayoutPlan:
             tiles = torch.arange(self.epr * per, device=self.device)
             self.tile_expert = (tiles // per).int()
             self.tile_start = (self.tile_expert * capacity + (tiles % per) * self.block).int()
-            self.tokens = tokens
+            self.tokens = topk_ids.shape[0]
 
     def __call__(self, topk_ids: torch.Tensor) -> MoeLayout:
-        W, me, E, k, epr, cap = self.world, self.me, self.num_experts, self.top_k, self.epr, self.capacity
+        order = self._order(topk_ids)
+        if self.capacity is None:
+            rows, table = self._dropless(order)
+        else:
+            rows, table = self._capacity(order)
+        return self._layout(topk_ids.shape[0], order, rows, table)
+
+    def _order(self, topk_ids: torch.Tensor) -> _Order:
+        """Every rank's ids (one all_gather) in the global order: an expert's pairs by (source rank, token, k)."""
+        W, me, E, k, cap = self.world, self.me, self.num_experts, self.top_k, self.capacity
         T = topk_ids.shape[0]
         if cap is None:
             counts = exchange("moe_layout: token counts", T) if W > 1 else [T]
@@ -123,8 +222,7 @@ class LayoutPlan:
         t_max = max(counts)
         padded = topk_ids.new_full((t_max, k), -1, dtype=torch.int32)
         padded[:T] = topk_ids
-        every = all_gather(padded, 0) if W > 1 else padded  # (W * Tmax, k)
-        pairs = every.reshape(-1).long()
+        pairs = (all_gather(padded, 0) if W > 1 else padded).reshape(-1).long()  # (W * Tmax * k,)
         n = pairs.numel()
         token_of_pair = torch.arange(n, device=self.device) // k  # s * Tmax + t
         if cap is None and n:  # pairs of padding rows (past a rank's own count) are not real
@@ -134,125 +232,108 @@ class LayoutPlan:
             real = torch.ones(n, dtype=torch.bool, device=self.device)
         valid = real & (pairs >= 0) & (pairs < E)
         key = torch.where(valid, pairs, E)
-        order = torch.argsort(key, stable=True)
+        ranked = torch.argsort(key, stable=True)
         # counts by scatter_add, not bincount (which synchronises with the host on a GPU to size its output)
         per_expert = torch.zeros(E + 1, dtype=torch.long, device=self.device).scatter_add_(0, key, torch.ones_like(key))
         starts = torch.cumsum(per_expert, 0) - per_expert
         rank_in_expert = torch.empty_like(pairs)
-        rank_in_expert[order] = torch.arange(n, device=self.device) - starts[key[order]]
+        rank_in_expert[ranked] = torch.arange(n, device=self.device) - starts[key[ranked]]
         kept = valid if cap is None else valid & (rank_in_expert < cap)
-        local = per_expert[me * epr:(me + 1) * epr]
-        mine_pairs = kept & (pairs // epr == me)
+        mine = kept & (pairs // self.epr == me)
         # as a destination: the tokens to pull, one per (token, this rank), sources in the order me, me+1, ...
-        # (so that the ranks do not all read rank 0 first), tokens in order; each token's received row
-        token_mine = mine_pairs.view(-1, k).any(1)
-        rotated = token_mine.view(W, t_max).roll(-me, 0).flatten()
-        pulled = rotated.sum().int().view(1)
-        if cap is None:
-            bad = real & ~valid
-            facts = torch.cat([local, pulled.long(), valid.sum().view(1), bad.view(W, t_max * k).any(1).long()])
-            facts = facts.tolist()  # with the token counts' exchange, the host round trips of dropless mode
-            for r in range(W):
-                if facts[epr + 2 + r]:
-                    raise PKError(f"moe_layout: rank {r}'s topk_ids hold ids outside [0, {E}) (the experts)")
-            local_counts, max_pulled = facts[:epr], facts[epr]
-            block = block_rows(facts[epr + 1] / E)  # from what every rank sees: the same tile height everywhere
-            offsets = [0, *itertools.accumulate(local_counts)]
-            rows = offsets[-1]
-            row = torch.tensor(offsets[:-1], device=self.device)[(pairs - me * epr).clamp(0, epr - 1)] + \
-                rank_in_expert
-            tiles = [(e, s, min(s + block, offsets[e + 1]))
-                     for e in range(epr) for s in range(offsets[e], offsets[e + 1], block)]
-            table = torch.tensor(list(zip(*tiles, strict=True)) or [[0], [0], [0]], dtype=torch.int32,
-                                 device=self.device)
-            tile_expert, tile_start, tile_end = table[0], table[1], table[2]
-            num_row_tiles = len(tiles)
-            overflow = torch.zeros(epr, dtype=torch.int32, device=self.device)
-        else:
-            block = self.block
-            rows = epr * cap
-            max_pulled = min(W * t_max, rows)
-            row = (pairs - me * epr) * cap + rank_in_expert
-            tile_expert, tile_start = self.tile_expert, self.tile_start
-            tile_end = tile_expert * cap + local.clamp(max=cap).int()[tile_expert.long()]
-            num_row_tiles = tile_expert.numel()
-            overflow = (local - cap).clamp(min=0).int()
-            offsets = None
+        # (so that the ranks do not all read rank 0 first), tokens in order
+        rotated = mine.view(-1, k).any(1).view(W, t_max).roll(-me, 0).flatten()
+        return _Order(counts, t_max, pairs, real, valid, rank_in_expert, per_expert, mine, kept, rotated,
+                      rotated.sum().int().view(1))
+
+    def _dropless(self, order: _Order) -> tuple[torch.Tensor, tuple]:
+        """Dropless rows: this rank's row counts, pulled rows and every rank's id check come to the host in one
+        synchronisation. Returns each pair's row here and the tile table."""
+        W, me, E, epr = self.world, self.me, self.num_experts, self.epr
+        local = order.per_expert[me * epr:(me + 1) * epr]
+        bad = order.real & ~order.valid
+        facts = torch.cat([local, order.pulled.long(), order.valid.sum().view(1),
+                           bad.view(W, order.t_max * self.top_k).any(1).long()]).tolist()
+        for r in range(W):
+            if facts[epr + 2 + r]:
+                raise PKError(f"moe_layout: rank {r}'s topk_ids hold ids outside [0, {E}) (the experts)")
+        local_counts, max_pulled = facts[:epr], facts[epr]
+        block = block_rows(facts[epr + 1] / E)  # from what every rank sees: the same tile height everywhere
+        offsets = [0, *itertools.accumulate(local_counts)]
+        first = torch.tensor(offsets[:-1], device=self.device)
+        row = first[(order.pairs - me * epr).clamp(0, epr - 1)] + order.rank_in_expert
+        tiles = [(e, s, min(s + block, offsets[e + 1]))
+                 for e in range(epr) for s in range(offsets[e], offsets[e + 1], block)]
+        table = torch.tensor(list(zip(*tiles, strict=True)) or [[0], [0], [0]], dtype=torch.int32, device=self.device)
+        overflow = torch.zeros(epr, dtype=torch.int32, device=self.device)
+        return row, (offsets[-1], max_pulled, block, offsets, table[0], table[1], table[2], len(tiles), overflow)
+
+    def _capacity(self, order: _Order) -> tuple[torch.Tensor, tuple]:
+        """Capacity rows: expert e's at e·C, every size fixed, nothing on the host. Returns each pair's row here and
+        the tile table."""
+        me, epr, cap = self.me, self.epr, self.capacity
+        local = order.per_expert[me * epr:(me + 1) * epr]
+        rows = epr * cap
+        row = (order.pairs - me * epr) * cap + order.rank_in_expert
+        tile_end = self.tile_expert * cap + local.clamp(max=cap).int()[self.tile_expert.long()]
+        overflow = (local - cap).clamp(min=0).int()
+        return row, (rows, min(self.world * order.t_max, rows), self.block, None, self.tile_expert, self.tile_start,
+                     tile_end, self.tile_expert.numel(), overflow)
+
+    def _layout(self, T: int, order: _Order, row: torch.Tensor, table: tuple) -> MoeLayout:
+        """The layout from the order and the rows: what each row of this rank's experts reads, its tiles in the
+        order their tokens land."""
+        W, me, k = self.world, self.me, self.top_k
+        rows, max_pulled, block, offsets, tile_expert, tile_start, tile_end, num_row_tiles, overflow = table
         if W == 1:  # nothing to pull: a pair reads its token's row of x directly
             pull_order = torch.zeros(0, dtype=torch.long, device=self.device)
-            received = torch.arange(t_max, device=self.device)
+            received = torch.arange(order.t_max, device=self.device)
             max_pulled = 0
         else:
-            pull_order = torch.argsort((~rotated).to(torch.int8), stable=True)[:max_pulled]
-            received = (torch.cumsum(rotated, 0) - 1).view(W, t_max).roll(me, 0).flatten()
+            pull_order = torch.argsort((~order.rotated).to(torch.int8), stable=True)[:max_pulled]
+            received = (torch.cumsum(order.rotated, 0) - 1).view(W, order.t_max).roll(me, 0).flatten()
         received = torch.cat([received, received.new_zeros(1)])  # rows of no pair read entry 0
-        row = torch.where(mine_pairs, row, rows)  # pairs not mine write a row past the end, dropped below
-        pair_ids = torch.arange(n, device=self.device)
-        row_pair = torch.zeros(rows + 1, dtype=torch.long, device=self.device).index_put_((row,), pair_ids)
-        row_pair = row_pair[:rows]
-        mine_rows = torch.zeros(rows + 1, dtype=torch.bool, device=self.device).index_put_((row,), mine_pairs)[:rows]
+        row = torch.where(order.mine, row, rows)  # pairs not mine write a row past the end, dropped below
+        pair_ids = torch.arange(order.pairs.numel(), device=self.device)
+        row_pair = torch.zeros(rows + 1, dtype=torch.long, device=self.device).index_put_((row,), pair_ids)[:rows]
+        mine_rows = torch.zeros(rows + 1, dtype=torch.bool, device=self.device).index_put_((row,), order.mine)[:rows]
         row_pair = torch.where(mine_rows, row_pair, 0)
         row_recv = torch.where(mine_rows, received[row_pair // k], 0)
         if W > 1 and num_row_tiles > 1:
-            # tiles in the order their last row lands (sources are pulled me, me+1, ...): the compute programs
-            # start on tiles whose tokens are in while the rest is still being pulled
-            if cap is not None:  # capacity: expert e's tiles start at e·C
-                per = cdiv(cap, block)
-                at = torch.arange(rows, device=self.device)
-                row_tile = (at // cap) * per + (at % cap) // block
-            else:  # dropless: tiles are the ranges in the table, in order
-                row_tile = torch.searchsorted(tile_start[:num_row_tiles].contiguous(),
-                                              torch.arange(rows, device=self.device, dtype=torch.int32), right=True) - 1
-            last = torch.full((num_row_tiles,), -1, dtype=torch.long, device=self.device).scatter_reduce_(
-                0, row_tile, torch.where(mine_rows, row_recv, -1), "amax")
-            order = torch.argsort(last, stable=True)
-            tile_expert, tile_start, tile_end = tile_expert[order], tile_start[order], tile_end[order]
-        kept_mine = kept.view(W, t_max, k)[me, :T]
+            landing = self._tile_order(rows, block, tile_start, num_row_tiles, mine_rows, row_recv)
+            tile_expert, tile_start, tile_end = tile_expert[landing], tile_start[landing], tile_end[landing]
+        kept_mine = order.kept.view(W, order.t_max, k)[me, :T]
         return MoeLayout(
-            num_experts=E, experts_per_rank=epr, top_k=k, world=W, tokens=T, max_tokens=t_max, token_counts=counts,
-            capacity=cap, block_rows=block, kept=kept_mine, dropped=~kept_mine, overflow=overflow,
-            pull_src=((pull_order // t_max + me) % W).int(), pull_tok=(pull_order % t_max).int(),
-            pulled=pulled, max_pulled=max_pulled,
-            row_recv=row_recv.int(), row_src=(row_pair // (t_max * k)).int(),
-            row_slot=(row_pair % (t_max * k)).int(), row_pair=row_pair, row_valid=mine_rows, rows=rows,
-            expert_offsets=offsets, tile_expert=tile_expert, tile_start=tile_start, tile_end=tile_end,
-            num_row_tiles=num_row_tiles)
+            num_experts=self.num_experts, experts_per_rank=self.epr, top_k=k, world=W, tokens=T,
+            max_tokens=order.t_max, token_counts=order.counts, capacity=self.capacity, block_rows=block,
+            kept=kept_mine, dropped=~kept_mine, overflow=overflow,
+            pull_src=((pull_order // order.t_max + me) % W).int(), pull_tok=(pull_order % order.t_max).int(),
+            pulled=order.pulled, max_pulled=max_pulled, row_recv=row_recv.int(),
+            row_src=(row_pair // (order.t_max * k)).int(), row_slot=(row_pair % (order.t_max * k)).int(),
+            row_pair=row_pair, row_valid=mine_rows, rows=rows, expert_offsets=offsets, tile_expert=tile_expert,
+            tile_start=tile_start, tile_end=tile_end, num_row_tiles=num_row_tiles)
+
+    def _tile_order(self, rows: int, block: int, tile_start: torch.Tensor, num_row_tiles: int,
+                    mine_rows: torch.Tensor, row_recv: torch.Tensor) -> torch.Tensor:
+        """Tiles in the order their last row lands (sources are pulled me, me+1, ...): the compute programs start
+        on tiles whose tokens are in while the rest is still being pulled."""
+        at = torch.arange(rows, device=self.device)
+        if self.capacity is not None:  # capacity: expert e's tiles start at e·C
+            per = cdiv(self.capacity, block)
+            row_tile = (at // self.capacity) * per + (at % self.capacity) // block
+        else:  # dropless: tiles are the ranges in the table, in order
+            row_tile = torch.searchsorted(tile_start[:num_row_tiles].contiguous(), at.int(), right=True) - 1
+        last = torch.full((num_row_tiles,), -1, dtype=torch.long, device=self.device).scatter_reduce_(
+            0, row_tile, torch.where(mine_rows, row_recv, -1), "amax")
+        return torch.argsort(last, stable=True)
 
 
-def plan(topk_ids: torch.Tensor, num_experts: int, *, capacity: int | None = None) -> LayoutPlan:
-    """The plan for layouts of routings like `topk_ids` (collective the first time: see `ops/plan.py`)."""
-    op = "moe_layout"
-    shape = getattr(topk_ids, "shape", None)
-    k = shape[1] if shape is not None and len(shape) == 2 else None
-    tokens = shape[0] if capacity is not None and k is not None else None
-    key = (op, k, num_experts, capacity, tokens)
-    found = plans.find(key)
-    if found is not None:
-        return found
-
-    def check() -> str:
-        ctx = context()
-        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
-            raise PKError(f"{op}: topk_ids must be a (tokens, k) tensor, got {shape}")
-        if topk_ids.dtype not in (torch.int32, torch.int64):
-            raise PKError(f"{op}: topk_ids must be int32 or int64, got {topk_ids.dtype}")
-        if topk_ids.device != ctx.device:
-            raise PKError(f"{op}: topk_ids are on {topk_ids.device}, but this rank's device is {ctx.device}")
-        if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % ctx.local_world_size:
-            raise PKError(f"{op}: {num_experts} experts do not split evenly among {ctx.local_world_size} ranks")
-        if capacity is not None and (not isinstance(capacity, int) or capacity <= 0):
-            raise PKError(f"{op}: capacity must be a positive number of rows per expert, got {capacity}")
-        tail = "" if capacity is None else f", capacity={capacity}, tokens={tokens} (the same on every rank)"
-        return f"{op} with top-{k} of {num_experts} experts{tail}"
-
-    return plans.get(key, lambda: LayoutPlan(k, num_experts, capacity, tokens), check)
+_moe_layout = declare(LayoutPlan)
 
 
+@_moe_layout.public
 def moe_layout(topk_ids: torch.Tensor, num_experts: int, *, capacity: int | None = None) -> MoeLayout:
     """The layout of a routing: `topk_ids` (T, k), this rank's tokens' experts among `num_experts` (split evenly,
     E/W per rank). Dropless by default (one host synchronisation); `capacity` rows per expert for a static,
     synchronisation-free layout that drops and counts what does not fit. Collective."""
-    return plan(topk_ids, num_experts, capacity=capacity)(topk_ids)
-
-
-plans.attach(moe_layout, plan)
+    return moe_layout.plan(topk_ids, num_experts, capacity=capacity)(topk_ids)
