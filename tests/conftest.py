@@ -9,6 +9,11 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # ranks forked, as `auto` does until the test process has run a parallel op of its own (then a fork server,
+    # slower to start: tests/test_faults.py checks `auto` from a fresh parent)
+    os.environ.setdefault("PK_SPAWN_METHOD", "fork")
+
 import parallelkittens  # noqa: E402, F401  (sets TRITON_INTERPRET=1 on machines without CUDA)
 
 

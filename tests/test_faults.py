@@ -141,8 +141,9 @@ def test_a_rank_that_never_arrives_is_named_in_default_mode(clean, monkeypatch, 
     message = str(info.value)
     # every waiting rank names rank 1; whichever gave up first is reported
     assert info.value.rank != 1 and "rank(s) [1] did not arrive within" in message, message
-    if inside_kernel:  # the kernel's own watchdog first, then the host's
+    if inside_kernel:  # the kernel's own watchdog first, then the host's; the call and who never came to it named
         assert "WaitTimeoutError" in message and "arrivals at a call" in message and "after 3 s" in message, message
+        assert "at all_reduce with (100,)" in message and "rank(s) [1] never arrived at that call" in message, message
     else:
         assert "building a plan (all_reduce)" in message, message
     assert clean() < 20
@@ -254,9 +255,19 @@ def _first_parallel_op() -> float:
     return float((x + 1).sum() + torch.ones(300, 300).matmul(torch.ones(300, 300)).sum())
 
 
+def _in_a_parent_with_a_running_pool(fn: str, want: float) -> None:
+    """Run `fn` at 2 ranks from a fresh parent whose OpenMP pool runs (a matmul started it), so that the test
+    process's own pool, and so its later jobs, stay as they were."""
+    script = ("import os, sys; sys.path.insert(0, '.'); import torch; import parallelkittens as pk; "
+              f"from test_faults import {fn} as f; os.environ.pop('PK_SPAWN_METHOD', None); "  # conftest set it
+              "torch.ones(1500, 1500) @ torch.ones(1500, 1500); "
+              f"assert pk.spawn(f, 2, timeout=60) == [{want!r}] * 2; print('ok')")
+    out = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout + out.stderr)[-2000:]
+
+
 def test_a_parent_that_used_its_thread_pool_can_spawn(clean):
-    torch.ones(1500, 1500) @ torch.ones(1500, 1500)  # the parent's OpenMP pool is now running
-    assert pk.spawn(_first_parallel_op, 2, timeout=60) == [float((1 << 18) + 300 * 300 * 300)] * 2
+    _in_a_parent_with_a_running_pool("_first_parallel_op", float((1 << 18) + 300 * 300 * 300))
     _report("spawn after a parent's matmul", clean())
     assert clean() < 30
 
@@ -323,3 +334,148 @@ def test_torchrun_names_the_originating_failure(clean):
     root = out.stderr[out.stderr.find("Root Cause"):]
     assert "Root Cause" in out.stderr and "rank 1's own mistake" in root.split("Other Failures")[0], out.stderr[-4000:]
     assert "rank      : 1" in root.split("Other Failures")[0], out.stderr[-4000:]
+
+
+# --- no silent garbage ------------------------------------------------------------------------------------------
+
+
+def _two_calls(op: str):
+    """Two calls of `op` with different shapes, each with a plan built (by every rank, in the same order)."""
+    ctx = pk.context()
+    dev, me = ctx.device, ctx.rank
+
+    def data(*shape):
+        return (torch.arange(torch.Size(shape).numel(), dtype=torch.float32, device=dev).reshape(shape) * (me + 1)
+                / 997).sin()
+
+    if op == "all_reduce":
+        return [lambda n=n: pk.ops.all_reduce(data(n)) for n in (64, 96)]
+    if op == "all_gather_matmul":
+        b = data(16, 16)
+        return [lambda n=n: pk.ops.all_gather_matmul(data(n, 16), b) for n in (8, 24)]
+    if op == "ring_attention":
+        return [lambda n=n: pk.ops.ring_attention(*(data(1, 2, n, 32),) * 3) for n in (16, 24)]
+    if op == "ulysses_attention":
+        return [lambda n=n: pk.ops.ulysses_attention(*(data(1, n, 2, 32),) * 3) for n in (16, 24)]
+    experts, w1 = 2 * ctx.world_size, data(2, 16, 32)
+    layouts = [pk.ops.moe_layout((torch.arange(n, device=dev)[:, None] + torch.tensor([0, 1], device=dev)) % experts,
+                                 experts) for n in (8, 24)]
+    return [lambda lay=lay: pk.ops.moe_dispatch_gemm(data(lay.tokens, 16), lay, w1)[0] for lay in layouts]
+
+
+def _garbage(op: str, sync: bool) -> list[float]:
+    calls = _two_calls(op)
+    for call in calls:  # every plan exists: the disagreement below is found on the device only
+        call()
+    pk.sync()
+    result = calls[pk.context().rank % 2]()  # rank 0 the first shape, rank 1 the second
+    if sync:
+        pk.sync()
+    return result.flatten().tolist()[:4]  # what a job that went on would use
+
+
+@pytest.mark.parametrize("debug", ["1", "0"])
+@pytest.mark.parametrize("sync", [False, True])
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather_matmul", "ring_attention", "ulysses_attention", "moe"])
+def test_a_disagreement_on_built_plans_never_returns_a_number(clean, monkeypatch, op, sync, debug):
+    """Ranks that call different built plans get a MismatchError naming both calls and the rank that differs,
+    whether or not the job calls pk.sync() and in either mode (PK_DEBUG=0: waits last PK_TIMEOUT): the unwritten
+    output is never returned as a result."""
+    monkeypatch.setenv("PK_DEBUG", debug)
+    with pytest.raises(pk.PKError, match="MismatchError: rank [01]: ranks disagree on a call") as info:
+        pk.spawn(_garbage, 2, op, sync, timeout=120)
+    _report(f"disagreement on built plans, {op}, sync={sync}, PK_DEBUG={debug}", clean())
+    message = str(info.value)
+    assert "this rank called" in message and (", rank 0 " in message or ", rank 1 " in message), message
+    assert clean() < 30
+
+
+def _then_idle() -> None:
+    calls = _two_calls("all_reduce")
+    for call in calls:
+        call()
+    pk.sync()
+    calls[pk.context().rank % 2]()
+    time.sleep(120)  # no further call: only the watchdog can tell
+
+
+def test_the_watchdog_reports_an_error_no_call_raised(clean):
+    start = time.monotonic()
+    with pytest.raises(pk.PKError, match="found by the watchdog"):
+        pk.spawn(_then_idle, 2, timeout=120)
+    _report("an error no call raised (the watchdog)", clean())
+    assert time.monotonic() - start < 60  # 10 s of grace under the interpreter, 1 s on a GPU
+
+
+def _more_threads() -> float:
+    pk.init()
+    torch.set_num_threads(2)  # a rank forked from a parent with a running OpenMP pool hung here
+    return float(torch.ones(300, 300).matmul(torch.ones(300, 300)).sum() + torch.zeros(1 << 18).add(1).sum())
+
+
+def test_a_rank_may_raise_its_thread_count_after_the_parents_pool_started(clean):
+    _in_a_parent_with_a_running_pool("_more_threads", float(300 ** 3 + (1 << 18)))
+    _report("a rank raising its thread count", clean())
+
+
+def _user_faults() -> dict:
+    """Inputs the ops cannot compute: meta tensors to MoE, int64 ids past 2^32, empty attention."""
+    ctx = pk.context()
+    dev, world, found = ctx.device, ctx.world_size, {}
+    experts, x = 2 * world, torch.ones(8, 16, device=dev)
+    ids = (torch.arange(8, device=dev)[:, None] + torch.tensor([0, 1], device=dev)) % experts
+    w1 = torch.ones(2, 16, 32, device=dev)
+    cases = {"meta x": lambda: pk.ops.moe_dispatch_gemm(torch.ones(8, 16, device="meta"), ids, w1),
+             "meta w1": lambda: pk.ops.moe_dispatch_gemm(x, ids, torch.ones(2, 16, 32, device="meta")),
+             "int64 id past 2^32": lambda: pk.ops.moe_layout(ids.masked_fill(ids == 1, 2 ** 32 + 1), experts)}
+    for name, make in cases.items():
+        try:
+            make()
+            pk.sync()
+            found[name] = "no error"
+        except pk.PKError as e:
+            found[name] = str(e)
+    for name, shape in [("N = 0", (1, 2, 0, 64)), ("B = 0", (0, 2, 8, 64))]:
+        for op in ("attention", "ring_attention", "ulysses_attention"):
+            q = torch.ones(shape if op != "ulysses_attention" else (shape[0], shape[2], shape[1], shape[3]),
+                           device=dev, requires_grad=True)
+            out = getattr(pk.ops, op)(q, q, q, causal=True)
+            out.sum().backward()
+            found[f"{op} {name}"] = (tuple(out.shape) == tuple(q.shape) and tuple(q.grad.shape) == tuple(q.shape))
+    pk.sync()
+    return found
+
+
+@pytest.mark.parametrize("world", worlds("1,2"))
+def test_inputs_no_op_can_compute_are_refused_and_empty_attention_is_empty(clean, world):
+    for rank, found in enumerate(pk.spawn(_user_faults, world, timeout=120)):
+        device = "cuda:" if torch.cuda.is_available() else "cpu"
+        assert "x is on meta" in found["meta x"] and device in found["meta x"], (rank, found["meta x"])
+        assert "w1 is on meta" in found["meta w1"], (rank, found["meta w1"])
+        assert "ids outside [0, " in found["int64 id past 2^32"], (rank, found["int64 id past 2^32"])
+        assert all(v is True for k, v in found.items() if "= 0" in k), (rank, found)
+    _report("meta tensors, int64 ids, empty attention", clean())
+
+
+def _an_extra_call(at_the_agreement: bool) -> None:
+    x = torch.ones(100, device=pk.context().device)
+    pk.ops.all_reduce(x)
+    pk.sync()
+    if pk.context().rank == 0:  # a call rank 1 never makes: it has returned
+        pk.ops.all_reduce(torch.ones(50 if at_the_agreement else 100, device=x.device))
+        pk.sync()
+
+
+@pytest.mark.parametrize("at_the_agreement", [False, True], ids=["inside the kernel", "at the agreement"])
+def test_an_extra_call_fails_within_the_debug_wait_naming_who_returned(clean, monkeypatch, at_the_agreement):
+    monkeypatch.setenv("PK_WAIT_TIMEOUT", "5")
+    start = time.monotonic()
+    with pytest.raises(pk.PKError) as info:
+        pk.spawn(_an_extra_call, 2, at_the_agreement, timeout=120)
+    _report(f"an extra call ({'agreement' if at_the_agreement else 'kernel'})", clean())
+    message = str(info.value)
+    assert time.monotonic() - start < 40, message  # PK_WAIT_TIMEOUT (5 s here), not PK_TIMEOUT
+    if at_the_agreement:
+        assert "(PK_WAIT_TIMEOUT)" in message and "rank 1: had returned from the job's function" in message, message
+    else:
+        assert "at all_reduce with (100,)" in message and "rank(s) [1] never arrived" in message, message

@@ -24,10 +24,11 @@ import triton.language as tl
 
 from ..runtime import handle as _handle
 from ..runtime import interpreter
-from ..runtime.errors import RECORD_WAIT_TIMEOUT
+from ..runtime.errors import FLAG, RECORD_WAIT_TIMEOUT
 from .peer import translate, world_size
 
-_TIMEOUT, _RECORD = tl.constexpr(_handle.WAIT_TIMEOUT_NS), tl.constexpr(_handle.DEBUG_RECORD)
+_TIMEOUT, _RECORD, _FLAG = (tl.constexpr(_handle.WAIT_TIMEOUT_NS), tl.constexpr(_handle.DEBUG_RECORD),
+                            tl.constexpr(FLAG))
 _KIND_TIMEOUT = tl.constexpr(RECORD_WAIT_TIMEOUT)
 
 
@@ -102,6 +103,15 @@ def _report_timeout(ptr, h, seen, value):
         tl.store(record + 4, tl.cast(value, tl.int64))
         tl.store(record + 5, tl.program_id(0).to(tl.int64))
         tl.store(record + 6, tl.load(h + _TIMEOUT))
+        raise_flag(record, _KIND_TIMEOUT)
+
+
+@triton.jit
+def raise_flag(record, kind):
+    """Tell the host that the rank's debug record holds an error of `kind`: the host's flag (pinned host memory on a
+    GPU) sits at the address in the record's last slot, so a launch and the watchdog see it without waiting for the
+    device (`runtime/sync.py`)."""
+    tl.store(tl.load(record + _FLAG).to(tl.pointer_type(tl.int64)), tl.full([], kind, tl.int64))
 
 
 @triton.jit

@@ -6,8 +6,9 @@ on the host (every rank's description of the call, or its error, is compared), a
 collective or allocating happen (symmetric workspace from the heap, tuning, compiling: the plan's `__init__`). A
 rank whose arguments are bad, or differ from its peers', raises on every rank before any buffer grows or kernel
 starts. Later calls of a signature do no host agreement; the device still checks every call
-(`template/meeting.py`), so ranks that call built plans in different orders get a `MismatchError` from
-`pk.sync()` instead of a hang. `Context.stats` counts plans built, agreements, tunings and heap allocations.
+(`template/meeting.py`), so ranks that call built plans in different orders get a `MismatchError` (at their next
+launch, `pk.sync()` or their end: `runtime/sync.py`) instead of a hang or a wrong result. `Context.stats` counts
+plans built, agreements, tunings and heap allocations.
 
 **Writing an op** is its kernel, its plan class and one declaration (docs/plans.md shows one whole):
 

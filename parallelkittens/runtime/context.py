@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import datetime
 import os
 import threading
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .errors import MismatchError, PKError, report_to_torchrun
+from .errors import FLAG, MismatchError, PKError, report_to_torchrun
 from .settings import Settings
 
 BACKENDS = ("cuda", "cuda-shared", "cpu")
@@ -58,6 +59,9 @@ class Context:
     settings: Settings
     job_id: str
     debug_record: torch.Tensor = field(repr=False)
+    # The host's view of the record's kind (`errors.py`): host memory a kernel writes as it records, so that a
+    # launch, the watchdog and a rank's exit read it without waiting for the device.
+    error_flag: ctypes.c_int64 = field(default=None, repr=False)
     # What ops keep between calls (plans, the symmetric heap): it dies with the context.
     plans: dict = field(default_factory=dict, repr=False)
     cache: dict = field(default_factory=dict, repr=False)
@@ -192,11 +196,16 @@ def init(backend: str | None = None, *, join_timeout: float | None = None) -> Co
     _agree_on_setup((name, local_world_size, device.type, settings.shared()), world_size, cpu_group)
     ids: list = [settings.job_id or f"{os.getpid()}"] if rank == 0 else [None]
     dist.broadcast_object_list(ids, src=0, group=cpu_group)
+    record = torch.zeros(8, dtype=torch.int64, device=device)
+    # on a GPU the flag is pinned host memory, which kernels reach through its address; on the CPU, the record's kind
+    flag = torch.zeros(1, dtype=torch.int64, pin_memory=True) if device.type == "cuda" else record[:1]
+    record[FLAG] = flag.data_ptr()
     _CTX = Context(
         rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size, device=device,
         backend=name, group=world, cpu_group=cpu_group, node_group=node_group, settings=settings, job_id=ids[0],
-        debug_record=torch.zeros(8, dtype=torch.int64, device=device), store=store,
+        debug_record=record, error_flag=ctypes.c_int64.from_address(flag.data_ptr()), store=store,
     )
+    _CTX.cache["error_flag"] = flag  # kept alive with the context
     if device.type == "cuda":
         _install_triton_allocator()
     else:
@@ -359,18 +368,32 @@ def _arrive(ctx: Context, step: str, members: list[int]) -> None:
     seq = ctx._arrivals[tag]
     ctx._arrivals[tag] += 1
     ctx.store.set(f"{tag}/{seq}/{ctx.rank}", step)
+    ctx.store.set(f"last/{restart}/{ctx.rank}", step)  # what a peer's error names as this rank's last step
     keys = [f"{tag}/{seq}/{r}" for r in members]
-    bound = ctx.settings.timeout_s
+    bound, name = ((ctx.settings.wait_timeout_s, "PK_WAIT_TIMEOUT") if ctx.settings.debug else
+                   (ctx.settings.timeout_s, "PK_TIMEOUT"))
     try:
         ctx.store.wait(keys, datetime.timedelta(seconds=bound))
     except Exception:  # the store's timeout types differ across torch versions
         missing = [r for r in members if not ctx.store.check([f"{tag}/{seq}/{r}"])]
         if not missing:  # they came just as the wait gave up
             return _forget(ctx, tag, seq)
-        ctx.broken = f"rank(s) {missing} did not arrive within {bound:g} s (PK_TIMEOUT) at {step!r}"
-        raise PKError(f"rank {ctx.rank}: rank(s) {missing} did not arrive within {bound:g} s (PK_TIMEOUT) at "
-                      f"{step!r}: they are stuck in an earlier step, dead, or did not make this call") from None
+        ctx.broken = f"rank(s) {missing} did not arrive within {bound:g} s ({name}) at {step!r}"
+        raise PKError(f"rank {ctx.rank}: rank(s) {missing} did not arrive within {bound:g} s ({name}) at {step!r}: "
+                      f"they are stuck in an earlier step, dead, or did not make this call ("
+                      f"{last_steps(ctx.store, missing, restart)})") from None
     _forget(ctx, tag, seq)
+
+
+def last_steps(store: dist.Store, ranks: list[int], restart: str) -> str:
+    """Each rank's last host step, and whether its job function had returned, as the job's store has them."""
+    said = []
+    for r in ranks:
+        step = store.get(f"last/{restart}/{r}").decode() if store.check([f"last/{restart}/{r}"]) else "none yet"
+        returned = store.check([f"returned/{restart}/{r}"])
+        said.append(f"rank {r}: " + ("had returned from the job's function, " if returned else "") +
+                    f"last host step {step!r}")
+    return "; ".join(said)
 
 
 def _forget(ctx: Context, tag: str, seq: int) -> None:
@@ -395,3 +418,4 @@ def finalize() -> None:
         fn()
     if dist.is_initialized():
         dist.destroy_process_group()
+    ctx.store = None  # the store's client now, not at interpreter teardown (threads still holding the context)

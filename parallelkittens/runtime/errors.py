@@ -26,18 +26,20 @@ class MismatchError(PKError):
 # What ops register for each call signature they send to the device, for MismatchError's message.
 SIGNATURES: dict[int, str] = {}
 
-# The kinds of a kernel's debug record: [kind, rank, a, b, c, program, d]
+# The kinds of a kernel's debug record: [kind, rank, a, b, c, program, d, flag]
 RECORD_WAIT_TIMEOUT = 1  # a = counter address, b = seen, c = expected, d = timeout in ns
-RECORD_MISMATCH = 2  # b = a peer's signature, c = this rank's
+RECORD_MISMATCH = 2  # a = the rank that differs (-1: a wait gave up), b = its signature, c = this rank's
+FLAG = 7  # the record's last slot: the address of the host's flag, which a kernel sets to the kind it recorded
 
 
 def error_from_record(record: list[int], describe: Callable[[int], str]) -> PKError:
     """The exception a kernel's debug record describes; `describe` names a counter's address."""
     kind, rank, address, b, c, program, d = record[:7]
     if kind == RECORD_MISMATCH:
+        other = f"rank {address}" if address >= 0 else "another rank"
         return MismatchError(
             f"rank {rank}: ranks disagree on a call: this rank called {SIGNATURES.get(c, f'signature {c}')}, "
-            f"another rank {SIGNATURES.get(b, 'something else (another op, shape, dtype or argument)')}")
+            f"{other} {SIGNATURES.get(b, 'something else (another op, shape, dtype or argument)')}")
     return WaitTimeoutError(f"rank {rank}: wait on {describe(address)} timed out after {d / 1e9:g} s in program "
                             f"{program}: saw {b}, expected {c}")
 

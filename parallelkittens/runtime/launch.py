@@ -46,6 +46,7 @@ from triton import knobs
 from triton.runtime import driver
 
 from .context import context, interpreting, use_triton_allocator
+from .sync import raise_recorded, start_watchdog
 
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 ENCODED_PER_SLOT = 256  # maps kept per descriptor parameter (128 bytes each), the oldest dropped first
@@ -85,6 +86,9 @@ class Launcher:
         self._describe = [self.descriptors.get(n) for n in per_call]
         self._grid3 = (self.grid + (1, 1))[:3]
         ctx = context()
+        self._flag = ctx.error_flag  # an error a kernel recorded: the next launch raises it (`runtime/sync.py`)
+        if ctx.world_size > 1 and "watchdog" not in ctx.cache:
+            start_watchdog()
         self._direct_ok = ctx.settings.fast_launch and ctx.device.type == "cuda" and not interpreting()
         self._device = ctx.device.index if ctx.device.type == "cuda" else None
         self._compiled: Any = None
@@ -95,6 +99,8 @@ class Launcher:
     def __call__(self, *values: Any, grid: Sequence[int] | None = None) -> None:
         """Launch with `values` for the `per_call` parameters, in that order (a group among them: a NamedTuple of
         tensors), on the bound grid or on `grid`."""
+        if self._flag.value:
+            raise_recorded()
         use_triton_allocator()  # this thread may be new (autograd runs backwards on its own)
         grid3 = self._grid3 if grid is None else (tuple(grid) + (1, 1))[:3]
         fast = self._encoded

@@ -20,15 +20,15 @@ from .errors import PKError
 VARIABLES: dict[str, tuple[str, object, str]] = {
     "PK_BACKEND": ("backend", None, "`cuda` (a GPU per rank, NCCL), `cuda-shared` (ranks share one GPU, gloo; "
                                     "correct, not fast), `cpu` (interpreter); default: the best that runs"),
-    "PK_DEBUG": ("debug", False, "`1`: waits give up after PK_WAIT_TIMEOUT instead of PK_TIMEOUT, so a protocol bug "
-                                 "fails in seconds (the tests and the demo set it)"),
+    "PK_DEBUG": ("debug", False, "`1`: waits (on the device and on the host) give up after PK_WAIT_TIMEOUT instead "
+                                 "of PK_TIMEOUT, so a protocol bug fails in seconds (the tests and the demo set it)"),
     "PK_WAIT_TIMEOUT": ("wait_timeout_s", 10.0, "seconds a wait lasts with PK_DEBUG=1 (a rank's first launch may "
                                                 "wait for a peer still compiling: allow a minute when kernels "
                                                 "compile cold)"),
-    "PK_TIMEOUT": ("timeout_s", 600.0, "the watchdog (NCCL's default): seconds a rank waits on the host for the "
-                                       "others to arrive at an agreement (then `PKError` names the missing "
-                                       "ranks), and a device wait lasts without PK_DEBUG (then `pk.sync()` "
-                                       "raises `WaitTimeoutError`)"),
+    "PK_TIMEOUT": ("timeout_s", 600.0, "the watchdog (NCCL's default): without PK_DEBUG, seconds a rank waits on the "
+                                       "host for the others to arrive at an agreement (then `PKError` names the "
+                                       "missing ranks), and a device wait lasts (then the rank's next launch, "
+                                       "`pk.sync()` or its end raises `WaitTimeoutError`)"),
     "PK_JOIN_TIMEOUT": ("join_timeout_s", 60.0, "seconds `init()` waits for every rank to join"),
     "PK_SPAWN_TIMEOUT": ("spawn_timeout_s", 300.0, "seconds `spawn()` lets ranks run"),
     "PK_SPAWN_METHOD": ("spawn_method", "auto", "how `spawn()` starts ranks: `auto` (fork on the CPU backend while "

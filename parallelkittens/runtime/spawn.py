@@ -20,6 +20,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -30,6 +31,7 @@ import torch
 import torch.distributed
 
 from . import context as _context
+from . import sync as _sync
 from .errors import PKError, RankError, is_consequence
 from .memory import _SHM_DIR, shm_prefix
 from .settings import Settings
@@ -69,12 +71,25 @@ def _rank_main(fn: Callable, args: tuple, rank: int, env: dict[str, str], conn, 
         # A forked child cannot use the OpenMP thread pool its parent started (its first parallel op, a zero_()
         # of 1 MiB say, hangs); with one thread torch runs every op inline and never touches that pool.
         torch.set_num_threads(1)
+    sending = threading.Lock()
+
+    def report(error: BaseException) -> None:  # the watchdog's: an error no call of the rank raised
+        with sending:
+            conn.send_bytes(pickle.dumps(("error", f"{type(error).__name__}: {error} (found by the watchdog: the "
+                                                   "rank raised no error of its own)", None, "")))
+        os._exit(1)
+
+    _sync.report_error = report
     try:
         if torch.cuda._is_in_bad_fork():
             raise PKError("this rank was forked from a process that had initialised CUDA; set "
                           "PK_SPAWN_METHOD=spawn")
         _context.init()
         result = fn(*args)
+        ctx = _context.context()
+        if ctx.store is not None:  # what a peer still waiting for this rank will say of it
+            ctx.store.set(f"returned/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{ctx.rank}", "1")
+        _sync.check_at_exit()  # an error a kernel recorded and nobody raised: the rank failed
         payload = ("ok", result)
         try:
             pickle.dumps(result)
@@ -92,7 +107,8 @@ def _rank_main(fn: Callable, args: tuple, rank: int, env: dict[str, str], conn, 
     except Exception as e:  # an exception (or result) that pickled alone but not inside the payload
         data = pickle.dumps(("error", f"{payload[1]} (and the result could not be sent: {e})", None, ""))
     try:
-        conn.send_bytes(data)
+        with sending:
+            conn.send_bytes(data)
     finally:
         conn.close()
     try:
@@ -118,8 +134,22 @@ def _start_method(backend: str, settings: Settings) -> str:
         raise PKError("PK_SPAWN_METHOD=fork, but this process has initialised CUDA or a process group, which a "
                       "forked rank cannot use; use forkserver or spawn")
     if method == "auto":
-        method = "fork" if backend == "cpu" and fork_safe else "forkserver"
+        # a parent whose OpenMP pool has started (its first parallel op) hands a forked child a pool whose threads do
+        # not exist there: a rank that raises its thread count hangs. Fork only while no thread has started since
+        # this module was imported (torch's own are there by then).
+        method = "fork" if backend == "cpu" and fork_safe and _threads() <= _THREADS_AT_IMPORT else "forkserver"
     return method
+
+
+def _threads() -> set[str]:
+    """The ids of the threads this process runs (none where that cannot be read)."""
+    try:
+        return set(os.listdir("/proc/self/task"))
+    except OSError:
+        return set()
+
+
+_THREADS_AT_IMPORT = _threads()
 
 
 def _context_for(method: str) -> tuple[Any, int | None]:
@@ -237,7 +267,9 @@ def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
             if failures:  # a failure seen within the grace before the deadline: report it, not the deadline
                 break
             waiting = sorted(set(range(world_size)) - set(results) - set(failures))
-            raise PKError(f"pk.spawn: rank(s) {waiting} still running after {timeout:g} s; all ranks were stopped")
+            returned = f"; rank(s) {sorted(results)} had returned" if results else ""
+            raise PKError(f"pk.spawn: rank(s) {waiting} still running after {timeout:g} s{returned}; all ranks were "
+                          "stopped")
         pending = {conns[r]: r for r in range(world_size) if r not in results and r not in failures}
         ready = mp.connection.wait(list(pending) + [procs[r].sentinel for r in pending.values()], timeout=0.1)
         for obj in ready:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -82,8 +83,8 @@ def begin(meet):
     if meet.world > 1:
         if tl.program_id(0) == 0:
             slot = meet.slots + (epoch & 1) * meet.world  # & 1: may wrap
-            for r in range(meet.world):
-                pkl.store(slot + rank, meet.sig, meet.handle, r)
+            for r in range(meet.world):  # the signature marked with the epoch: a slot left from two calls back differs
+                pkl.store(slot + rank, meet.sig ^ epoch.to(tl.int64), meet.handle, r)
             pkl.signal_all(meet.counters + _ARRIVALS, meet.handle)
     return Call(meet.counters, meet.slots, meet.handle, meet.sig, rank, meet.world, epoch)
 
@@ -96,14 +97,16 @@ def verdict(call):
         expected = call.world * call.epoch
         gave_up = pkl.wait_at_least(call.counters + _ARRIVALS, expected, call.handle)
         slot = call.slots + (call.epoch & 1) * call.world
+        differs = -1  # the last rank whose call differs from this rank's
         for r in range(call.world):
-            other = tl.load(slot + r, volatile=True)
+            other = tl.load(slot + r, volatile=True) ^ call.epoch.to(tl.int64)
             theirs = tl.where(other != call.sig, other, theirs)
+            differs = tl.where(other != call.sig, r, differs)
         # a wait that gave up (its record says so) leaves stale slots, which must not agree; the vote is the same
         # in every thread, so the branch below (which meets the threads) runs in all of them or none
         theirs = tl.where(gave_up, ~call.sig, theirs)
         if theirs != call.sig:
-            _record_mismatch(call.handle, theirs, call.sig)
+            _record_mismatch(call.handle, theirs, call.sig, differs)
     return theirs == call.sig
 
 
@@ -126,13 +129,15 @@ def _refuse_kernel(meet):
 
 
 @triton.jit
-def _record_mismatch(h, theirs, mine):
+def _record_mismatch(h, theirs, mine, differs):
     record = tl.load(h + _RECORD).to(tl.pointer_type(tl.int64))
     if tl.atomic_cas(record, tl.full([], 0, tl.int64), tl.full([], _KIND, tl.int64)) == 0:  # the first one wins
         tl.store(record + 1, tl.load(h))
+        tl.store(record + 2, tl.cast(differs, tl.int64))
         tl.store(record + 3, theirs)
         tl.store(record + 4, mine)
         tl.store(record + 5, tl.program_id(0).to(tl.int64))
+        pkl.raise_flag(record, _KIND)
 
 
 class Meeting:
@@ -150,6 +155,20 @@ class Meeting:
         self.slots = slots.view(2 * self.world, torch.int64)
         self.handle = block.handle
         self._refuse = Launcher(_refuse_kernel, (1,), meet=self.group(REFUSED))
+        ctx.cache["describe_wait"] = self.describe_wait  # how `runtime/sync.py` names a call whose ranks never came
+
+    def describe_wait(self, read: Callable[[torch.Tensor], list[int]]) -> str:
+        """Which call a wait for the ranks' arrivals was at, and which ranks never came to it, from this rank's
+        epoch and signature slots (`read` copies a tensor to the host)."""
+        ctx = context()
+        epoch, slots, me, world = read(self.counters)[0], read(self.slots), ctx.local_rank, self.world
+        for e in (epoch + 1, epoch):  # the call may have ended (its epoch stored) or not
+            mine = slots[(e & 1) * world:(e & 1) * world + world]
+            sig = mine[me] ^ e
+            if sig in SIGNATURES:
+                missing = [r for r in range(world) if mine[r] != mine[me]]
+                return f" at {SIGNATURES[sig]}; rank(s) {missing} never arrived at that call"
+        return ""
 
     def refuse(self, count: int) -> None:
         """Meet `count` times with a signature nobody's call has (see the module's docstring)."""

@@ -221,7 +221,7 @@ class LayoutPlan(Plan):
             counts = [self.tokens] * W
         t_max = max(counts)
         padded = topk_ids.new_full((t_max, k), -1, dtype=torch.int32)
-        padded[:T] = topk_ids
+        padded[:T] = topk_ids.clamp(-1, E)  # in the ids' own dtype first: an int64 id past 2^31 stays out of range
         pairs = (all_gather(padded, 0) if W > 1 else padded).reshape(-1).long()  # (W * Tmax * k,)
         n = pairs.numel()
         token_of_pair = torch.arange(n, device=self.device) // k  # s * Tmax + t
