@@ -294,7 +294,7 @@ class CollectivePlan(Plan):
 
     def __init__(self, x: torch.Tensor, zero_copy: bool | None):
         ctx = context()
-        self.shape, self.dtype, self.zero_copy = tuple(x.shape), x.dtype, _zero_copy(x, zero_copy)
+        self.shape, self.dtype, self.zero_copy = tuple(x.shape), x.dtype, tensor_key(x, zero_copy)[2]
         self.remember(x=x)
         self._any_handle = meeting.meeting().handle  # at one rank the kernel reads only its own input, wherever it is
         self._moves = math.prod(self.shape) > 0
@@ -334,15 +334,9 @@ class CollectivePlan(Plan):
         return None if dim is None else normalize_dim(cls.op, dim, max(x.dim(), 1))
 
 
-def _zero_copy(x: torch.Tensor, zero_copy: bool | None) -> bool:
-    """Whether a collective reads `x` in place: as asked, or by default where it is a parallel tensor's buffer."""
-    if zero_copy is None:
-        return isinstance(x, torch.Tensor) and owner_of(x) is not None
-    return zero_copy
-
-
 def tensor_key(x: torch.Tensor, zero_copy: bool | None) -> tuple:
-    """The part of a collective's key that `x` makes: its shape and dtype, and whether it is read in place."""
+    """The part of a collective's key that `x` makes: its shape and dtype, and whether it is read in place (as
+    asked, or by default where `x` is a parallel tensor's buffer)."""
     if not isinstance(x, torch.Tensor):  # refused when the plan is built
         return None, None, zero_copy
     return x.shape, x.dtype, (owner_of(x) is not None) if zero_copy is None else zero_copy
